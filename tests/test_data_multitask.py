@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron.data.flan_indexed import TABLE_FORMAT, FlanDatasetWriter, output_paths
+from megatron.data.flan_indexed import TABLE_FORMAT, FlanDatasetWriter, dataset_paths
 from megatron.data.multitask_dataset import MultiTaskDataset, gpt_input_keep
 
 EOD, BOS, EOS, PAD = 99, 98, 97, 96
@@ -128,10 +128,15 @@ def test_vocab_check(ds):
 
 def test_missing_files_are_named(tmp_path):
     prefix = write_dataset(tmp_path / "mt")
-    os.remove(output_paths(prefix)["targets"] + ".idx")
-    with pytest.raises(FileNotFoundError, match="mt_targets.idx"):
+    idx = dataset_paths(prefix)[1]["targets"] + ".idx"
+    with open(idx, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(FileNotFoundError, match=f"{idx} has 10 bytes, the manifest says"):
         MultiTaskDataset(prefix)
-    with pytest.raises(FileNotFoundError, match="preprocess_flan"):
+    os.remove(idx)
+    with pytest.raises(FileNotFoundError, match=f"damaged: {idx} is missing"):
+        MultiTaskDataset(prefix)
+    with pytest.raises(FileNotFoundError, match="nothing_tasks.json is missing.*preprocess_flan"):
         MultiTaskDataset(str(tmp_path / "nothing"))
 
 

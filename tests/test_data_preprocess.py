@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.data.flan_indexed import dataset_files, output_paths
+from megatron.data.flan_indexed import dataset_paths, manifest_path
 from megatron.data.flan_synthetic import synthetic_samples
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.tokenizers import build_tokenizer, train_sentencepiece
@@ -56,7 +56,7 @@ def test_cli_gpt2_two_workers_equals_direct_tokenisation(tmp_path, samples):
                   "--tokenizer-type", "GPT2BPETokenizer", "--workers", "2", "--chunk-size", "16")
     assert res.returncode == 0, res.stderr
     ds = assert_matches_direct_tokenisation(prefix, samples, build_tokenizer("GPT2BPETokenizer"))
-    table = json.load(open(output_paths(str(prefix))["table"]))
+    table = json.load(open(manifest_path(str(prefix))))
     assert table["tokenizer"]["type"] == "GPT2BPETokenizer" and table["vocab_size"] == 50257
     assert sum(t["count"] for t in table["tasks"]) == len(ds)
     assert "written 240" in res.stdout
@@ -105,7 +105,7 @@ def test_summary_counts_tokens_and_percentiles(tmp_path, samples):
     prefix = tmp_path / "flan"
     assert preprocess_flan.main(["--input", dump, "--output-prefix", str(prefix),
                                  "--no-progress"]) == 0
-    summary = json.load(open(output_paths(str(prefix))["summary"]))
+    summary = json.load(open(dataset_paths(str(prefix))[1]["summary"]))
     tok = build_tokenizer("GPT2BPETokenizer")
     in_lens = np.array([len(tok.encode(s["inputs"])) for s in samples])
     tgt_lens = np.array([len(tok.encode(s["targets"])) for s in samples])
@@ -137,12 +137,11 @@ def test_cli_corrupt_line_exits_nonzero_naming_the_line_and_skip_bad_reports_it(
     res = run_cli("--input", dump, "--output-prefix", str(prefix), "--workers", "2")
     assert res.returncode != 0
     assert f"{dump}:13: malformed json" in res.stderr
-    assert not any(os.path.exists(p) for p in dataset_files(str(prefix)))
-    assert not [n for n in os.listdir(tmp_path) if ".partial" in n]
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]     # no dataset, no partial folder
     assert preprocess_flan.main(["--input", dump, "--output-prefix", str(prefix),
                                  "--skip-bad", "--no-progress"]) == 0
     assert "rejected (malformed json): 1" in capsys.readouterr().out
-    summary = json.load(open(output_paths(str(prefix))["summary"]))
+    summary = json.load(open(dataset_paths(str(prefix))[1]["summary"]))
     assert summary["samples"]["read"] == 21 == summary["samples"]["written"] + 1
     assert summary["samples"]["rejected_by_reason"] == {"malformed json": 1}
 
@@ -160,7 +159,7 @@ def test_bad_lines_fail_by_default_and_are_counted_with_skip_bad(tmp_path, sampl
     assert preprocess_flan.main(["--input", dump, "--output-prefix", prefix,
                                  "--no-progress"]) == 2
     assert f"{dump}:13: {reason}" in capsys.readouterr().err
-    assert not os.path.exists(output_paths(prefix)["table"])
+    assert not os.path.exists(manifest_path(prefix))
     assert preprocess_flan.main(["--input", dump, "--output-prefix", prefix, "--no-progress",
                                  "--skip-bad"]) == 0
     assert f"rejected ({reason}): 1" in capsys.readouterr().out
@@ -176,7 +175,7 @@ def test_target_that_tokenises_to_nothing_is_rejected(tmp_path, samples, capsys)
     assert preprocess_flan.main(args) == 2
     assert f"{dump}:13: empty target: it tokenises to no tokens" in capsys.readouterr().err
     assert preprocess_flan.main(args + ["--skip-bad"]) == 0
-    summary = json.load(open(output_paths(str(tmp_path / "flan"))["summary"]))
+    summary = json.load(open(dataset_paths(str(tmp_path / "flan"))[1]["summary"]))
     assert summary["samples"]["rejected_by_reason"] == {"empty target": 1}
 
 
@@ -192,9 +191,9 @@ def test_empty_file_and_unreadable_path(tmp_path, samples, capsys):
         assert f"{path}: {msg}" in capsys.readouterr().err
     assert preprocess_flan.main(["--input", good, str(empty), missing, "--output-prefix",
                                  prefix, "--no-progress", "--skip-bad"]) == 0
-    summary = json.load(open(output_paths(prefix)["summary"]))
-    assert summary["files"] == {"read": 1, "rejected_by_reason": {"empty file": 1,
-                                                                  "unreadable file": 1}}
+    summary = json.load(open(dataset_paths(prefix)[1]["summary"]))
+    assert summary["files"] == {"read": 1, "partly_read": [],
+                                "rejected_by_reason": {"empty file": 1, "unreadable file": 1}}
 
 
 def test_nothing_valid_is_an_error(tmp_path, capsys):

@@ -247,7 +247,7 @@ def setup_error(monkeypatch, model, argv, world_size=2, rank=1):
 
 def test_missing_dataset_files_are_named_before_any_collective(monkeypatch, tmp_path):
     msg = setup_error(monkeypatch, "gpt", ["--data-path", str(tmp_path / "nothing")])
-    assert "rank 1" in msg and "missing" in msg and "nothing_inputs.bin" in msg
+    assert "rank 1" in msg and "missing" in msg and "nothing_tasks.json" in msg
     assert "tools/preprocess_flan.py" in msg
 
 

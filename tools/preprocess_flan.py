@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Tokenise FLANv2-style dumps (.jsonl, .jsonl.gz, .parquet) into Megatron indexed datasets:
-P_inputs.bin/.idx, P_targets.bin/.idx, P_task_ids.npy, P_tasks.json, P_summary.json.
-See docs/DATA.md."""
+"""Tokenise FLANv2-style dumps (.jsonl, .jsonl.gz, .parquet) into a multi-task dataset at an
+output prefix P: the manifest P_tasks.json and the folder it names, P.data-<id>/ (Megatron
+indexed datasets inputs.bin/.idx and targets.bin/.idx, task_ids.npy, summary.json).
+The new dataset replaces an old one at P in one atomic step. See docs/DATA.md."""
 import argparse
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.data.flan_indexed import DatasetWriteError  # noqa: E402
 from megatron.data.flan_preprocess import format_summary, preprocess_flan  # noqa: E402
 from megatron.data.flan_records import TASK_FIELDS, BadInputError  # noqa: E402
 from megatron.data.tokenizers import (TokenizerError, add_tokenizer_args,  # noqa: E402
@@ -31,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_tokenizer_args(parser)
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
-                       help="path prefix of the written files (P_inputs.bin, P_tasks.json, ...)")
+                       help="path prefix of the dataset (P_tasks.json and the folder P.data-<id>/)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1,
                        help="tokenizer worker processes (1 = tokenise in this process)")
@@ -62,11 +64,19 @@ def main(argv=None) -> int:
                                  "\n(use --skip-bad to count and skip bad lines)"),
               file=sys.stderr)
         return 2
-    except TokenizerError as exc:
+    except (TokenizerError, DatasetWriteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_summary(summary))
-    print("wrote " + ", ".join(summary["files_written"]))
+    manifest, *data = summary["files_written"]
+    print(f"wrote {manifest} naming {os.path.dirname(data[0])}/ "
+          f"({', '.join(os.path.basename(p) for p in data)})")
+    cleanup = summary["cleanup"]
+    if cleanup["removed"]:
+        print(f"removed {len(cleanup['removed'])} file(s)/folder(s) of the previous dataset or "
+              f"of killed runs: {', '.join(cleanup['removed'])}")
+    for what in cleanup["not_removed"]:
+        print(f"warning: could not remove {what}; delete it by hand", file=sys.stderr)
     print("summary JSON: " + json.dumps(summary["samples"]))
     return 0
 

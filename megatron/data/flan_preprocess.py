@@ -144,7 +144,8 @@ def build_summary(counts: ReadCounts, written: int, input_lengths: np.ndarray,
     return {
         "samples": {"read": counts.read, "written": written, "rejected": rejected,
                     "rejected_by_reason": dict(counts.rejected)},
-        "files": {"read": counts.files_read, "rejected_by_reason": dict(counts.files_rejected)},
+        "files": {"read": counts.files_read, "partly_read": list(counts.files_partly_read),
+                  "rejected_by_reason": dict(counts.files_rejected)},
         "tokens": {"inputs": int(input_lengths.sum()), "targets": int(target_lengths.sum())},
         "lengths": {"inputs": length_stats(input_lengths), "targets": length_stats(target_lengths)},
         "per_task": per_task,
@@ -157,7 +158,9 @@ def format_summary(summary: dict, max_tasks: int = 20) -> str:
     lines = [f"samples read {s['read']}, written {s['written']}, rejected {s['rejected']}"]
     lines += [f"  rejected ({reason}): {n}"
               for reason, n in sorted(s["rejected_by_reason"].items())]
-    lines.append(f"files read {f['read']}, rejected {sum(f['rejected_by_reason'].values())}")
+    lines.append(f"files read {f['read']}, broke off after some lines (kept) "
+                 f"{len(f['partly_read'])}, rejected {sum(f['rejected_by_reason'].values())}")
+    lines += [f"  file broke off: {where}" for where in f["partly_read"]]
     lines += [f"  file rejected ({reason}): {n}"
               for reason, n in sorted(f["rejected_by_reason"].items())]
     lines.append(f"tokens: inputs {summary['tokens']['inputs']}, "
@@ -205,7 +208,7 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
             if empty:
                 if not skip_bad:
                     raise BadInputError(rec.path, rec.line, empty, "it tokenises to no tokens")
-                counts.rejected[empty] += 1
+                counts.reject(empty, f"{rec.path}:{rec.line}")
                 continue
             tid = registry.add(rec)
             writer.add(in_ids, tgt_ids, tid)
@@ -215,7 +218,8 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
         bar.close()
         if len(writer) == 0:
             raise BadInputError(", ".join(paths), None, "no samples",
-                                "nothing valid to write (see the rejections above)")
+                                f"nothing valid to write; {counts.read} line(s) read, "
+                                f"rejected: {counts.reasons()}")
         task_ids = np.frombuffer(tids, dtype=np.int32)
         summary = build_summary(counts, len(writer), np.frombuffer(in_lens, dtype=np.int32),
                                 np.frombuffer(tgt_lens, dtype=np.int32), task_ids,
@@ -225,11 +229,12 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
             raise RuntimeError(f"sample accounting broken: {summary['samples']}")
         summary["output_prefix"] = output_prefix
         summary["inputs_files"] = list(paths)
-        summary["tokenizer"] = tokenizer.describe()
-        table = {"format": TABLE_FORMAT, "tokenizer": tokenizer.describe(),
+        summary["tokenizer"] = tokenizer_info = tokenizer.describe()
+        table = {"format": TABLE_FORMAT, "tokenizer": tokenizer_info,
                  "vocab_size": tokenizer.vocab_size, "num_samples": len(writer),
                  "tokens": summary["tokens"],
                  "tasks": registry.table(np.bincount(task_ids, minlength=len(registry.ids)))}
         writer.finalize(table, summary)
     summary["files_written"] = dataset_files(output_prefix)
+    summary["cleanup"] = writer.cleanup
     return summary

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
@@ -69,12 +70,30 @@ class Rejection:
 
 @dataclass
 class ReadCounts:
-    """What the reader saw: lines read, rejected per reason, files rejected per reason."""
+    """What the reader saw: lines read, rejected per reason (with the first place each reason
+    was met), files read whole, files that broke off after some lines (those lines are kept),
+    files rejected per reason."""
 
     read: int = 0
     rejected: Counter = field(default_factory=Counter)
     files_read: int = 0
+    files_partly_read: list = field(default_factory=list)   # "path:line: reason: detail"
     files_rejected: Counter = field(default_factory=Counter)
+    first_seen: dict = field(default_factory=dict)
+
+    def reject(self, reason: str, where: str, per_file: bool = False) -> None:
+        """Count one rejected line (or file) under its reason."""
+        (self.files_rejected if per_file else self.rejected)[reason] += 1
+        self.first_seen.setdefault(reason, where)
+
+    def reasons(self) -> str:
+        """'reason: n (first at where), ...' over lines and files, for messages."""
+        parts = [f"{reason}: {n} line(s) (first at {self.first_seen.get(reason, '?')})"
+                 for reason, n in sorted(self.rejected.items())]
+        parts += [f"{reason}: {n} file(s) (first {self.first_seen.get(reason, '?')})"
+                  for reason, n in sorted(self.files_rejected.items())]
+        parts += [f"broke off after some lines: {where}" for where in self.files_partly_read]
+        return "; ".join(parts) or "no line or file was rejected"
 
 
 def file_format(path: str) -> str:
@@ -125,6 +144,12 @@ def parse_row(row: object, path: str, line: int,
                       optional["_task_source"], optional["_template_type"], path, line)
 
 
+def json_error_text(exc: json.JSONDecodeError) -> str:
+    """'<what> at column N' (some of json's messages already end in 'at')."""
+    what = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"{what} at column {exc.colno}"
+
+
 def _jsonl_rows(path: str, opener) -> Iterator[tuple[int, object]]:
     """(line number, decoded value or Rejection) for every line of a JSON-lines file."""
     line = 0
@@ -142,9 +167,8 @@ def _jsonl_rows(path: str, opener) -> Iterator[tuple[int, object]]:
                 try:
                     yield line, json.loads(text)
                 except json.JSONDecodeError as exc:
-                    yield line, Rejection(path, line, MALFORMED_JSON, exc.msg +
-                                          f" at column {exc.colno}")
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+                    yield line, Rejection(path, line, MALFORMED_JSON, json_error_text(exc))
+    except (OSError, EOFError, zlib.error) as exc:   # also gzip.BadGzipFile, an OSError
         raise BadInputError(path, line + 1 if line else None, UNREADABLE_FILE, str(exc)) from exc
 
 
@@ -188,26 +212,30 @@ def read_records(paths: Sequence[str], counts: ReadCounts, skip_bad: bool = Fals
     which case they (and unreadable or empty files) are counted in `counts` and skipped.
     Blank lines are always counted and skipped. A file without a non-blank line is empty."""
     for path in paths:
-        non_blank = 0
+        non_blank = lines_before = 0
         try:
             for item in iter_file(path, task_field):
                 counts.read += 1
+                lines_before += 1
                 if isinstance(item, Rejection):
                     non_blank += item.reason != BLANK_LINE
                     if item.reason != BLANK_LINE and not skip_bad:
                         raise item.error()
-                    counts.rejected[item.reason] += 1
+                    counts.reject(item.reason, f"{path}:{item.line}")
                     continue
                 non_blank += 1
                 yield item
         except BadInputError as exc:
             if not skip_bad or exc.reason not in (UNREADABLE_FILE, UNSUPPORTED_FORMAT):
                 raise
-            counts.files_rejected[exc.reason] += 1
+            if lines_before:   # the lines read before the break are kept and counted
+                counts.files_partly_read.append(str(exc))
+            else:
+                counts.reject(exc.reason, path, per_file=True)
             continue
         if non_blank == 0:
             if not skip_bad:
                 raise BadInputError(path, None, EMPTY_FILE, "it holds no records")
-            counts.files_rejected[EMPTY_FILE] += 1
+            counts.reject(EMPTY_FILE, path, per_file=True)
             continue
         counts.files_read += 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron.data.flan_indexed import import_indexed_dataset, load_task_table, output_paths
+from megatron.data.flan_indexed import dataset_paths, import_indexed_dataset
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,13 @@ def gpt_input_keep(input_len: int, target_len: int, seq_length: int) -> int:
 
 
 class MultiTaskDataset:
-    """Random access to the samples of a dataset at an output prefix of preprocess_flan."""
+    """Random access to the samples of a dataset at an output prefix of preprocess_flan (the
+    files its manifest `P_tasks.json` names)."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self.table = load_task_table(prefix)
+        self.table, paths = dataset_paths(prefix)
         indexed = import_indexed_dataset().IndexedDataset
-        paths = output_paths(prefix)
         self._inputs = indexed(paths["inputs"])
         self._targets = indexed(paths["targets"])
         self.task_ids = np.load(paths["task_ids"]).astype(np.int64)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
 from typing import Optional, Sequence
 
@@ -39,6 +41,7 @@ class GPT2BPETokenizer:
             if not os.path.isfile(path):
                 raise TokenizerError(f"GPT-2 tokenizer file not found: {path}")
         self.vocab_file, self.merge_file = vocab_file, merge_file
+        self.files = (vocab_file, merge_file)
         bpe = models.BPE.from_file(vocab_file, merge_file)
         self._tok = Tokenizer(bpe)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -63,7 +66,8 @@ class GPT2BPETokenizer:
         return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
                 "pad": self.pad, "bos": self.bos, "eos": self.eos,
                 "vocab_file": os.path.abspath(self.vocab_file),
-                "merge_file": os.path.abspath(self.merge_file)}
+                "merge_file": os.path.abspath(self.merge_file),
+                "fingerprint": tokenizer_fingerprint(self)}
 
 
 class SentencePieceTokenizer:
@@ -81,6 +85,7 @@ class SentencePieceTokenizer:
         if not os.path.isfile(tokenizer_model):
             raise TokenizerError(f"SentencePiece model not found: {tokenizer_model}")
         self.model_file = tokenizer_model
+        self.files = (tokenizer_model,)
         self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
         self.vocab_size = self._sp.get_piece_size()
         self.pad, self.eos, self.unk, self.bos = (self._sp.pad_id(), self._sp.eos_id(),
@@ -109,7 +114,47 @@ class SentencePieceTokenizer:
         return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
                 "pad": self.pad, "bos": self.bos, "eos": self.eos, "unk": self.unk,
                 "num_sentinels": len(self.sentinel_ids),
-                "tokenizer_model": os.path.abspath(self.model_file)}
+                "tokenizer_model": os.path.abspath(self.model_file),
+                "fingerprint": tokenizer_fingerprint(self)}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 (hex) over the tokenizer's type, special-token layout (vocab size, pad/eos/bos/
+    eod/unk and sentinel ids) and the bytes of its model / vocab / merges files: a dataset
+    tokenised with one tokenizer is only valid for a tokenizer with the same fingerprint."""
+    layout = {"type": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+              "pad": tokenizer.pad, "eos": tokenizer.eos, "bos": tokenizer.bos,
+              "eod": tokenizer.eod, "unk": getattr(tokenizer, "unk", None),
+              "sentinel_ids": list(tokenizer.sentinel_ids)}
+    digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
+    for path in tokenizer.files:
+        digest.update(f"\0file {os.path.getsize(path)}\0".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_label(info: dict) -> str:
+    """'<type> <files> (fingerprint <12 hex>)' from a `describe()` dict, for messages."""
+    files = [info[k] for k in ("tokenizer_model", "vocab_file", "merge_file") if info.get(k)]
+    fingerprint = info.get("fingerprint") or "none"
+    return f"{info.get('type')} {' + '.join(files)} (fingerprint {fingerprint[:12]})"
+
+
+def tokenizer_mismatch(dataset_info: dict, tokenizer) -> Optional[str]:
+    """Why a dataset tokenised with `dataset_info` (its table's tokenizer) cannot be used with
+    `tokenizer`, or None when the fingerprints agree."""
+    theirs = dataset_info.get("fingerprint")
+    if not theirs:
+        return ("the dataset records no tokenizer fingerprint (written by an older "
+                "tools/preprocess_flan.py); re-run tools/preprocess_flan.py with this tokenizer")
+    ours = tokenizer.describe()
+    if theirs == ours["fingerprint"]:
+        return None
+    return (f"the dataset was tokenised with {tokenizer_label(dataset_info)}, this run's "
+            f"tokenizer is {tokenizer_label(ours)}; pass the tokenizer the dataset was built with, or re-run "
+            "tools/preprocess_flan.py with this one")
 
 
 def default_gpt2_files() -> tuple[str, str]:

@@ -24,10 +24,9 @@ from dynapipe_ext.plan_ahead import PlanAhead
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                              iteration_plan_fn, pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
-from megatron.data.flan_indexed import dataset_files
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
@@ -102,11 +101,10 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
     """Open the dataset and check it against the tokenizer; no collective is involved."""
     where = f"rank {rank}: --data-path {cfg.data_path}"
-    missing = [p for p in dataset_files(cfg.data_path) if not os.path.exists(p)]
-    if missing:
-        raise RunSetupError(f"{where}: missing {', '.join(missing)} (build the dataset with "
-                            f"tools/preprocess_flan.py --output-prefix {cfg.data_path})")
-    dataset = MultiTaskDataset(cfg.data_path)
+    try:
+        dataset = MultiTaskDataset(cfg.data_path)
+    except (OSError, ValueError) as exc:
+        raise RunSetupError(f"{where}: {exc}") from exc
     tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
                                 cfg.tokenizer_model)
     if dataset.tokenizer_info.get("type") != cfg.tokenizer_type:
@@ -118,6 +116,9 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
                             f"{dataset.vocab_size} tokens, the tokenizer of this run has "
                             f"{tokenizer.vocab_size}; re-run tools/preprocess_flan.py with "
                             f"the same tokenizer files")
+    mismatch = tokenizer_mismatch(dataset.tokenizer_info, tokenizer)
+    if mismatch:
+        raise RunSetupError(f"{where}: {mismatch}")
     dataset.check_vocab_size(padded_vocab_size(tokenizer.vocab_size,
                                                cfg.tensor_model_parallel_size))
     if cfg.is_t5:
