@@ -94,6 +94,19 @@ def test_invalid_utf8_and_blank_lines_are_counted(tmp_path):
     assert counts.rejected == Counter({fr.BLANK_LINE: 1, fr.INVALID_UTF8: 1})
 
 
+@pytest.mark.parametrize("text,message", [
+    ('{"inputs": "abc\n', "Invalid control character at column 16"),   # json: "... at"
+    ('{"inputs": "abc', "Unterminated string starting at column 12"),   # json: "... at"
+    ('{"inputs": "a" "targets": "b"}\n', "Expecting ',' delimiter at column 16"),
+])
+def test_malformed_json_message_names_the_column_once(tmp_path, text, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    with pytest.raises(fr.BadInputError) as err:
+        read_all([str(path)])
+    assert str(err.value) == f"{path}:1: malformed json: {message}"
+
+
 def test_empty_and_unreadable_files(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")

