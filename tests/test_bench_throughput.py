@@ -153,7 +153,9 @@ def gpt_tokens_from_files(prefix: str, ids, seq_length: int) -> int:
     """Model positions of GPT samples read straight from the indexed files:
     min(inputs + targets, seq_length) per sample (the trailing EOD is only a label)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    inputs_ds, targets_ds = IndexedDataset(prefix + "_inputs"), IndexedDataset(prefix + "_targets")
+    from megatron.data.flan_indexed import dataset_paths
+    paths = dataset_paths(prefix)[1]          # the files the manifest P_tasks.json names
+    inputs_ds, targets_ds = IndexedDataset(paths["inputs"]), IndexedDataset(paths["targets"])
     inputs = np.array(inputs_ds.sequence_lengths, dtype=np.int64)   # copies: the index is an mmap
     targets = np.array(targets_ds.sequence_lengths, dtype=np.int64)
     return int(sum(min(int(inputs[i]) + int(targets[i]), seq_length) for i in ids))

@@ -29,6 +29,8 @@ LEGACY_FORMAT = "megatron-dynapipe-flan/1"
 # role -> file name inside a data folder (inputs/targets: Megatron path prefixes)
 DATA_FILES = {"inputs": "inputs", "targets": "targets", "task_ids": "task_ids.npy",
               "summary": "summary.json"}
+DATA_FILE_NAMES = ("inputs.bin", "inputs.idx", "targets.bin", "targets.idx", "task_ids.npy",
+                   "summary.json")
 _LEGACY_SUFFIXES = ("_inputs.bin", "_inputs.idx", "_targets.bin", "_targets.idx",
                     "_task_ids.npy", "_summary.json")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -53,12 +55,6 @@ def import_indexed_dataset():
 def manifest_path(prefix: str) -> str:
     """The manifest (task table) of the dataset at `prefix`; its presence marks completion."""
     return prefix + "_tasks.json"
-
-
-def data_file_names() -> list[str]:
-    """The files of a data folder, with .bin/.idx spelled out."""
-    return ["inputs.bin", "inputs.idx", "targets.bin", "targets.idx", DATA_FILES["task_ids"],
-            DATA_FILES["summary"]]
 
 
 def data_paths(data_dir: str) -> dict[str, str]:
@@ -217,7 +213,7 @@ class FlanDatasetWriter:
         with open(tmp["summary"], "w") as f:
             json.dump(summary, f, indent=1)
         sizes = {}
-        for name in data_file_names():
+        for name in DATA_FILE_NAMES:
             path = os.path.join(self.work_dir, name)
             _fsync(path)
             sizes[name] = os.path.getsize(path)
