@@ -14,14 +14,15 @@ if [ ! -f "$data/sp.model" ]; then
   python tools/train_tokenizer.py --input "$data/flan.jsonl" --model-prefix "$data/sp" \
     --vocab-size 4000 > "$data/train_tokenizer.log"
 fi
-if [ ! -f "$data/flan_tasks.json" ]; then
+if ! grep -qs 'megatron-dynapipe-flan/2' "$data/flan_tasks.json"; then   # absent or old format
   echo "[data] tokenising with SentencePiece into Megatron indexed datasets ($data/flan_*)"
   python tools/preprocess_flan.py --input "$data/flan.jsonl" --output-prefix "$data/flan" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/sp.model" --workers 2 \
     --no-progress > "$data/preprocess_sp.log"
   tail -n 1 "$data/preprocess_sp.log"
 fi
-if [ "${WITH_GPT2_BPE:-0}" = 1 ] && [ ! -f "$data/flan_gpt2_tasks.json" ]; then
+if [ "${WITH_GPT2_BPE:-0}" = 1 ] && \
+    ! grep -qs 'megatron-dynapipe-flan/2' "$data/flan_gpt2_tasks.json"; then
   echo "[data] tokenising with GPT-2 BPE ($data/flan_gpt2_*)"
   python tools/preprocess_flan.py --input "$data/flan.jsonl" --output-prefix "$data/flan_gpt2" \
     --tokenizer-type GPT2BPETokenizer --workers 2 --no-progress > "$data/preprocess_gpt2.log"

@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -187,6 +188,35 @@ def test_rewrite_removes_the_previous_data_folder_and_legacy_files(tmp_path, gpt
     assert not os.path.exists(os.path.dirname(first))
     assert len(os.listdir(tmp_path)) == 3
     assert_holds(prefix, SAMPLES[:5], gpt2)
+
+
+def test_old_folder_that_cannot_be_removed_is_a_warning_and_goes_next_time(tmp_path,
+                                                                           monkeypatch, capsys,
+                                                                           gpt2):
+    prefix = tmp_path / "flan"
+    assert preprocess("--input", write_dump(tmp_path / "a.jsonl", SAMPLES[:3]),
+                      "--output-prefix", prefix) == 0
+    old_dir = os.path.dirname(dataset_paths(str(prefix))[1]["inputs"])
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if path == old_dir:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    capsys.readouterr()
+    new_dump = write_dump(tmp_path / "b.jsonl", SAMPLES[3:9])
+    assert preprocess("--input", new_dump, "--output-prefix", prefix) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"warning: could not remove {old_dir} (Permission denied); delete it by hand")
+    assert os.path.isdir(old_dir)
+    assert_holds(prefix, SAMPLES[3:9], gpt2)
+    monkeypatch.undo()
+    assert preprocess("--input", new_dump, "--output-prefix", prefix) == 0
+    assert f"{old_dir}" in capsys.readouterr().out        # "removed ... <old_dir>"
+    assert not os.path.exists(old_dir)
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("flan")]) == 2
 
 
 # ---------------------------------------------------------------------------- disk full

@@ -157,12 +157,12 @@ class FlanDatasetWriter:
                              rf"|{re.escape(self.name)}\.data-(\d+)-[0-9a-f]+", name)
         return int(match.group(1) or match.group(2)) if match else None
 
-    def remove_stale(self, keep: Optional[str] = None) -> None:
+    def remove_stale(self, keep: Sequence[str] = ()) -> None:
         """Remove this prefix's leftovers: hidden partial folders and data folders that no
         manifest names, whose writing process is gone (killed with SIGKILL, power cut) or is
         this one (one writer per prefix at a time). Never raises."""
         current = read_manifest(self.prefix) or {}
-        keep_names = {keep, current.get("data_dir")}
+        keep_names = {*keep, current.get("data_dir")}
         try:
             names = os.listdir(self.out_dir)
         except OSError:
@@ -248,9 +248,9 @@ class FlanDatasetWriter:
             _fsync(self.out_dir)
         except OSError:
             pass   # the switch happened; durability of the folder entry is best effort
-        self._remove_previous(previous, keep=os.path.basename(switched))
+        self._remove_previous(previous, new=os.path.basename(switched))
 
-    def _remove_previous(self, previous: Optional[dict], keep: str) -> None:
+    def _remove_previous(self, previous: Optional[dict], new: str) -> None:
         """Remove what the previous manifest named (data folder or format-1 files) and stale
         leftovers; never raises."""
         if previous and previous.get("format") == LEGACY_FORMAT:
@@ -258,9 +258,9 @@ class FlanDatasetWriter:
                 _remove(self.prefix + suffix, self.cleanup)
         elif previous and isinstance(previous.get("data_dir"), str):
             old = previous["data_dir"]
-            if old != keep and self._leftover_pid(old) is not None:
+            if old != new and self._leftover_pid(old) is not None:
                 _remove(os.path.join(self.out_dir, old), self.cleanup)
-        self.remove_stale(keep=keep)
+        self.remove_stale(keep=(new, (previous or {}).get("data_dir")))
 
     def abort(self) -> None:
         """Remove what this writer created; never raises and writes nothing (a full disk
