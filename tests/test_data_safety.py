@@ -15,8 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from megatron.data.flan_indexed import (LEGACY_FORMAT, FlanDatasetWriter, dataset_paths,
-                                        manifest_path)
+from megatron.data.flan_indexed import LEGACY_FORMAT, FlanDatasetWriter, dataset_paths
 from megatron.data.flan_synthetic import synthetic_samples
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.tokenizers import build_tokenizer

@@ -153,8 +153,8 @@ def tokenizer_mismatch(dataset_info: dict, tokenizer) -> Optional[str]:
     if theirs == ours["fingerprint"]:
         return None
     return (f"the dataset was tokenised with {tokenizer_label(dataset_info)}, this run's "
-            f"tokenizer is {tokenizer_label(ours)}; pass the tokenizer the dataset was built with, or re-run "
-            "tools/preprocess_flan.py with this one")
+            f"tokenizer is {tokenizer_label(ours)}; pass the tokenizer the dataset was built "
+            "with, or re-run tools/preprocess_flan.py with this one")
 
 
 def default_gpt2_files() -> tuple[str, str]:
