@@ -228,11 +228,29 @@ def latest_iteration(directory: str) -> int:
     return int(text)
 
 
-def unsafe_reason(err: pickle.UnpicklingError) -> str:
-    """The line of torch's weights-only refusal that names the offending object."""
-    lines = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line
-             or "global" in line.lower() and "unsupported" in line.lower()]
-    return lines[0] if lines else str(err).splitlines()[0]
+def refused_global(err: BaseException) -> str | None:
+    """The Python object a weights-only load refused to build, if that is why it failed."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return found.group(1) if isinstance(err, pickle.UnpicklingError) and found else None
+
+
+def error_detail(err: BaseException) -> str:
+    """A one-line reason from torch's (often multi-paragraph) load errors."""
+    inner = err.__context__ if isinstance(err, pickle.UnpicklingError) else None
+    lines = str(inner or err).strip().splitlines()
+    return f"{type(inner or err).__name__} {lines[0] if lines else ''}".rstrip()
+
+
+def load_weights_only(path: str):
+    """torch.load(weights_only=True) with no allow-list at all: megatron-core adds numpy
+    arrays, argparse.Namespace, BytesIO and more to torch's process-wide allow-list when it is
+    imported, and our files need none of them, so that list is set aside for this one load."""
+    extra = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    finally:
+        torch.serialization.add_safe_globals(extra)
 
 
 def read_rank_file(path: str) -> dict:
@@ -240,17 +258,17 @@ def read_rank_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise UnreadableCheckpoint(f"{path}: missing")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise UnreadableCheckpoint(
-            f"{path}: refused: it holds a Python object other than tensors and plain "
-            f"containers ({unsafe_reason(err)}); nothing in it was run. A checkpoint of "
-            f"format 1 (numpy RNG states) is refused this way: this code reads format "
-            f"{FORMAT_VERSION}") from None
-    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        state = load_weights_only(path)
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
+        name = refused_global(err)
+        if name:
+            raise UnreadableCheckpoint(
+                f"{path}: refused: it holds the Python object {name}, not only tensors and "
+                f"plain containers; nothing in it was run (a checkpoint of format 1, with "
+                f"numpy RNG states, is refused this way: this code reads format "
+                f"{FORMAT_VERSION})") from None
         raise UnreadableCheckpoint(f"{path}: unreadable (truncated or corrupt): "
-                                   f"{type(err).__name__} {first}".rstrip()) from None
+                                   f"{error_detail(err)}") from None
     if not isinstance(state, dict) or "version" not in state:
         raise UnreadableCheckpoint(f"{path}: not a checkpoint (no format version)")
     return state
