@@ -276,7 +276,16 @@ def test_stale_temporary_files_are_removed_before_saving(tmp_path):
     ckpt.prepare_save_dir(str(tmp_path), rank=0)
     assert not any(os.path.exists(p) for p in stale)
     assert all(os.path.exists(p) for p in kept)
-    ckpt.prepare_save_dir(str(tmp_path / "not-yet-there"), rank=0)   # a new --save dir is fine
+    ckpt.prepare_save_dir(str(tmp_path / "new"), rank=0)   # a new --save dir is created
+    assert os.path.isdir(tmp_path / "new")
+
+
+def test_a_save_directory_that_cannot_be_written_is_an_error_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=f"--save {blocker}/ckpt: cannot write "
+                                                   f"checkpoints there"):
+        ckpt.prepare_save_dir(str(blocker / "ckpt"), rank=0)
 
 
 def test_keep_last_keeps_only_the_newest_complete_checkpoints(tmp_path):
@@ -288,9 +297,13 @@ def test_keep_last_keeps_only_the_newest_complete_checkpoints(tmp_path):
     assert len([d for d in os.listdir(tmp_path / "all") if d.startswith("iter_")]) == 3
 
 
+def disk_full(obj, path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
 def _fallback_agreed_over_ranks(rank, world_size, directory):
-    """Both ranks save at 2 and 4; rank 1's file of 4 is then truncated. Returns what each
-    rank loaded and the warnings it gave."""
+    """Both ranks save at 2 and 4; rank 1's disk is full at 6; rank 1's file of 4 is then
+    truncated. Returns each rank's save error at 6, what it loaded and the warnings it gave."""
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     cfg = tiny_config()
@@ -301,13 +314,22 @@ def _fallback_agreed_over_ranks(rank, world_size, directory):
         train_steps(model, opt, it - 2, it)
         ckpt.save_checkpoint(directory, it, [model], opt, {"consumed_samples": it}, cfg, rank,
                              world_size)
+    real_save = torch.save
+    if rank == 1:
+        torch.save = disk_full
+    try:
+        ckpt.save_checkpoint(directory, 6, [model], opt, None, cfg, rank, world_size)
+        save_error = None
+    except (OSError, ckpt.CheckpointError) as err:
+        save_error = str(err)
+    torch.save = real_save
     if rank == 1:
         truncate(ckpt.rank_file(directory, 4, 1))
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         done, sampler = ckpt.load_checkpoint(directory, [model], opt, cfg, rank, world_size)
-    return done, sampler, [str(w.message) for w in caught]
+    return save_error, done, sampler, [str(w.message) for w in caught]
 
 
 @pytest.mark.slow
@@ -315,9 +337,13 @@ def test_ranks_agree_on_the_newest_checkpoint_every_rank_can_read(tmp_path):
     from tests.multiproc import run_in_processes
     results = run_in_processes(_fallback_agreed_over_ranks, 2, args=(str(tmp_path),),
                                timeout_s=120)
-    assert [(done, sampler) for done, sampler, _ in results] == \
+    (error0, *_), (error1, *_) = results
+    assert "another rank could not write its checkpoint file" in error0
+    assert "disk is full" in error1 and ckpt.rank_file(str(tmp_path), 6, 1) in error1
+    assert ckpt.latest_iteration(str(tmp_path)) == 4
+    assert [(done, sampler) for _, done, sampler, _ in results] == \
         [(2, {"consumed_samples": 2}), (2, {"consumed_samples": 2})]
-    rank0, rank1 = (" | ".join(w) for _, _, w in results)
+    rank0, rank1 = (" | ".join(w) for *_, w in results)
     assert "iteration 4 is unreadable on some rank; resuming from iteration 2" in rank0
     assert ckpt.rank_file(str(tmp_path), 4, 1) in rank1 and "truncated or corrupt" in rank1
 

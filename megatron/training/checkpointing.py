@@ -113,12 +113,21 @@ def clean_stale_temp_files(directory: str) -> list[str]:
 
 
 def prepare_save_dir(directory: str, rank: int) -> None:
-    """Rank 0 clears stale temporary files from `directory`; every rank waits for it."""
+    """Before training: rank 0 creates `directory` and clears stale temporary files from it;
+    every rank waits, and all raise alike if it cannot be written."""
+    problem = None
     if rank == 0:
-        for path in clean_stale_temp_files(directory):
-            print(f"[checkpoint] removed {path}, left by an interrupted save", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", directory)
+            for path in clean_stale_temp_files(directory):
+                print(f"[checkpoint] removed {path}, left by an interrupted save", flush=True)
+        except OSError as err:
+            problem = err
+    if count_over_ranks(problem is not None):
+        raise CheckpointError(f"--save {directory}: cannot write checkpoints there "
+                              f"({problem or 'see rank 0'})")
 
 
 def complete_iterations(directory: str, latest: int) -> list[int]:
@@ -198,20 +207,20 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
         atomic_write(path, lambda tmp: torch.save(state, tmp))
     except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = err
-    if count_over_ranks(failure is not None) and failure is None:
-        raise CheckpointError(f"iteration {iteration}: another rank could not write its "
-                              f"checkpoint file (see its error); {LATEST} in {directory} "
-                              f"still names the previous checkpoint")
-    if failure is not None:
-        raise failure
+    agree_or_raise(failure, f"iteration {iteration}: another rank could not write its "
+                            f"checkpoint file (see its error); {LATEST} in {directory} still "
+                            f"names the previous checkpoint")
     if rank == 0:
-        atomic_write(os.path.join(directory, LATEST),
-                     lambda tmp: write_text(tmp, f"{iteration}\n"))
-        for old in prune_checkpoints(directory, iteration, cfg.keep_last):
-            print(f"[checkpoint] --keep-last {cfg.keep_last}: removed "
-                  f"{iteration_dir(directory, old)}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            atomic_write(os.path.join(directory, LATEST),
+                         lambda tmp: write_text(tmp, f"{iteration}\n"))
+            for old in prune_checkpoints(directory, iteration, cfg.keep_last):
+                print(f"[checkpoint] --keep-last {cfg.keep_last}: removed "
+                      f"{iteration_dir(directory, old)}", flush=True)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
+            failure = err
+    agree_or_raise(failure, f"iteration {iteration}: rank 0 could not update {LATEST} in "
+                            f"{directory} (see its error)")
     return path
 
 
@@ -305,6 +314,15 @@ def read_checked(directory: str, iteration: int, cfg, rank: int, world_size: int
     return state
 
 
+def agree_or_raise(failure: Exception | None, others: str) -> None:
+    """Every rank learns whether any rank failed: the failed ones raise their own error, the
+    rest a CheckpointError saying `others`, so no rank waits in a collective for a dead one."""
+    if count_over_ranks(failure is not None):
+        if failure is not None:
+            raise failure
+        raise CheckpointError(others)
+
+
 def count_over_ranks(flag: bool) -> int:
     """How many ranks of the default group pass a true `flag` (this rank alone without one)."""
     total = torch.tensor([int(flag)], dtype=torch.int64)
@@ -346,11 +364,8 @@ def choose_checkpoint(directory: str, cfg, rank: int, world_size: int):
                     fatal = err
                 iteration = candidate
                 break
-        if count_over_ranks(fatal is not None):
-            if fatal is not None:
-                raise fatal
-            raise CheckpointError(f"--load {directory}: another rank refused its checkpoint "
-                                  f"file (see its error)")
+        agree_or_raise(fatal, f"--load {directory}: another rank refused its checkpoint file "
+                              f"(see its error)")
         low, high = lowest_and_highest(iteration)
         if low == high:
             break
