@@ -297,6 +297,14 @@ def test_keep_last_keeps_only_the_newest_complete_checkpoints(tmp_path):
     assert len([d for d in os.listdir(tmp_path / "all") if d.startswith("iter_")]) == 3
 
 
+def test_keep_last_needs_a_save_directory_and_a_count(capsys):
+    for flags, message in ((["--keep-last", "2"], "--keep-last needs --save"),
+                           (["--save", "x", "--keep-last", "-1"], "--keep-last must be >= 0")):
+        with pytest.raises(SystemExit):
+            tiny_config(*flags)
+        assert message in capsys.readouterr().err
+
+
 def disk_full(obj, path):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 

@@ -323,24 +323,25 @@ def agree_or_raise(failure: Exception | None, others: str) -> None:
         raise CheckpointError(others)
 
 
-def count_over_ranks(flag: bool) -> int:
-    """How many ranks of the default group pass a true `flag` (this rank alone without one)."""
-    total = torch.tensor([int(flag)], dtype=torch.int64)
+def reduce_over_ranks(values: list[int], op) -> list[int]:
+    """All-reduce small integers over the default group (as they are without one)."""
+    tensor = torch.tensor(values, dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
-            total = total.cuda()
-        dist.all_reduce(total)
-    return int(total.item())
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor, op=op)
+    return [int(v) for v in tensor.tolist()]
+
+
+def count_over_ranks(flag: bool) -> int:
+    """How many ranks pass a true `flag`."""
+    return reduce_over_ranks([int(flag)], dist.ReduceOp.SUM)[0]
 
 
 def lowest_and_highest(value: int) -> tuple[int, int]:
-    """Min and max of `value` over the default group."""
-    both = torch.tensor([value, -value], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            both = both.cuda()
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return -int(both[1].item()), int(both[0].item())
+    """Min and max of `value` over the ranks."""
+    high, minus_low = reduce_over_ranks([value, -value], dist.ReduceOp.MAX)
+    return -minus_low, high
 
 
 def choose_checkpoint(directory: str, cfg, rank: int, world_size: int):
