@@ -51,12 +51,13 @@ def resolve_schedule(saved: dict, current: dict, policy: str, where: str) -> dic
     diffs = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, now {current[name]!r}"
              for name in SCHEDULE_SETTINGS if saved[name] != current[name]]
     if diffs:
+        why = (" (--lr-decay-iters defaults to --train-iters, so a longer run changes it too)"
+               if saved["lr_decay_iters"] != current["lr_decay_iters"] else "")
         raise ValueError(
-            f"{where}: the LR schedule differs from the checkpoint's (" + "; ".join(diffs) +
-            "); --lr-decay-iters defaults to --train-iters, so a longer run changes it too. "
-            "Repeat the checkpoint's settings, or pass --use-checkpoint-opt-param-scheduler "
-            "(keep the checkpoint's schedule) or --override-opt-param-scheduler (use this "
-            "run's flags from here on)")
+            f"{where}: the LR schedule differs from the checkpoint's: " + "; ".join(diffs) +
+            f"{why}. Repeat the checkpoint's settings, or pass "
+            f"--use-checkpoint-opt-param-scheduler (keep the checkpoint's schedule) or "
+            f"--override-opt-param-scheduler (use this run's flags from here on)")
     return dict(current)
 
 
