@@ -1,6 +1,9 @@
-"""Checkpoints: atomic per-rank files, compatibility checks, and exact resume."""
+"""Checkpoints: atomic per-rank files, compatibility checks, exact resume, safe loading,
+fallback to an older checkpoint, disk-full and clean-up, retention, and the LR schedule."""
+import errno
 import os
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ import torch
 
 from megatron.training import checkpointing as ckpt
 from megatron.training.arguments import parse_args
-from megatron.training.optimizer import TrainOptimizer
+from megatron.training.optimizer import TrainOptimizer, learning_rate
 
 torch.set_num_threads(1)
 
@@ -96,3 +99,366 @@ def test_loading_with_another_layout_or_shape_names_the_difference(tmp_path):
     wider = tiny_config("--hidden-size", "16")
     with pytest.raises(ValueError, match="hidden_size: saved 8, now 16"):
         ckpt.load_checkpoint(str(tmp_path), [model], opt, wider, 0, 1)
+
+
+# ---------------------------------------------------------------------------- safe loading
+
+def saved_run(directory, iterations, *extra):
+    """A tiny model and optimizer, trained and saved after each of `iterations`."""
+    cfg = tiny_config(*extra)
+    torch.manual_seed(1); np.random.seed(1); random.seed(1)
+    model = tiny_model()
+    opt = TrainOptimizer(model.named_parameters(), cfg)
+    done = 0
+    for it in iterations:
+        train_steps(model, opt, done, it)
+        done = it
+        ckpt.save_checkpoint(str(directory), it, [model], opt, {"consumed_samples": it}, cfg,
+                             0, 1)
+    return cfg, model, opt
+
+
+def fresh(cfg):
+    model = tiny_model(seed=99)
+    return model, TrainOptimizer(model.named_parameters(), cfg)
+
+
+class WritesMarker:
+    """Unpickling this object creates the marker file (a stand-in for any code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_files_load_with_weights_only(tmp_path):
+    saved_run(tmp_path, [2])
+    state = torch.load(ckpt.rank_file(str(tmp_path), 2, 0), weights_only=True)
+    assert state["version"] == ckpt.FORMAT_VERSION == 2
+    assert state["opt_param_scheduler"]["num_steps"] == 2
+    assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
+
+
+def test_rng_states_round_trip_through_the_weights_only_format():
+    random.seed(5); np.random.seed(5); torch.manual_seed(5)
+    random.gauss(0, 1); np.random.standard_normal()   # cached Gaussians are part of the state
+    state = ckpt.capture_rng_state()
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.standard_normal(),
+                torch.rand(1).item())
+    random.seed(0); np.random.seed(0); torch.manual_seed(0)
+    ckpt.restore_rng_state(state)
+    assert (random.random(), random.gauss(0, 1), np.random.rand(), np.random.standard_normal(),
+            torch.rand(1).item()) == expected
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_code(tmp_path):
+    marker = tmp_path / "pwned"
+    os.makedirs(ckpt.iteration_dir(str(tmp_path), 3))
+    path = ckpt.rank_file(str(tmp_path), 3, 0)
+    torch.save({"version": ckpt.FORMAT_VERSION, "payload": WritesMarker(marker)}, path)
+    (tmp_path / ckpt.LATEST).write_text("3\n")
+    cfg = tiny_config()
+    model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning):
+        with pytest.raises(ckpt.CheckpointError) as err:
+            ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    assert not marker.exists()
+    assert path in str(err.value) and "refused" in str(err.value)
+    assert "no loadable checkpoint" in str(err.value)
+
+
+def test_a_format_1_checkpoint_is_refused_naming_the_file(tmp_path):
+    import megatron.core.tensor_parallel  # noqa: F401 - adds numpy to torch's allow-list
+    assert np.ndarray in torch.serialization.get_safe_globals()
+    os.makedirs(ckpt.iteration_dir(str(tmp_path), 1))
+    path = ckpt.rank_file(str(tmp_path), 1, 0)
+    torch.save({"version": 1, "rng": {"numpy": np.random.get_state()}}, path)
+    with pytest.raises(ckpt.UnreadableCheckpoint, match="format 1") as err:
+        ckpt.read_rank_file(path)
+    assert path in str(err.value) and "numpy" in str(err.value)
+    assert np.ndarray in torch.serialization.get_safe_globals()   # restored for megatron-core
+
+
+def test_a_readable_checkpoint_of_another_format_is_an_error_not_a_fallback(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4])
+    path = ckpt.rank_file(str(tmp_path), 4, 0)
+    state = torch.load(path, weights_only=True)
+    torch.save(dict(state, version=3), path)
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint format 3, this code reads 2"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+
+
+def truncate(path, keep=0.5):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:int(len(data) * keep)])
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4])
+    bad = ckpt.rank_file(str(tmp_path), 4, 0)
+    truncate(bad)
+    model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning) as caught:
+        done, sampler = ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    assert done == 2 and sampler == {"consumed_samples": 2}
+    text = " | ".join(str(w.message) for w in caught)
+    assert bad in text and "truncated or corrupt" in text
+    assert "resuming from iteration 2" in text
+    # what was restored is iteration 2's state: training on repeats a run saved only at 2
+    resumed = train_steps(model, opt, 2, 4)
+    _, ref_model, ref_opt = saved_run(tmp_path / "ref", [2])
+    assert resumed == train_steps(ref_model, ref_opt, 2, 4)
+
+
+def test_every_checkpoint_unreadable_is_a_clear_error_naming_each_file(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4])
+    truncate(ckpt.rank_file(str(tmp_path), 4, 0))
+    os.remove(ckpt.rank_file(str(tmp_path), 2, 0))
+    model, opt = fresh(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.CheckpointFallbackWarning)
+        with pytest.raises(ckpt.CheckpointError) as err:
+            ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    msg = str(err.value)
+    assert "no loadable checkpoint" in msg
+    assert f"{ckpt.rank_file(str(tmp_path), 4, 0)}: unreadable" in msg
+    assert f"{ckpt.rank_file(str(tmp_path), 2, 0)}: missing" in msg
+
+
+def test_garbage_in_place_of_a_checkpoint_names_the_file():
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        f.write(b"not a checkpoint" * 10)
+        f.flush()
+        with pytest.raises(ckpt.UnreadableCheckpoint, match=f"{f.name}: unreadable"):
+            ckpt.read_rank_file(f.name)
+
+
+# ---------------------------------------------------------------------------- saving faults
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                  "unexpected pos 4096 vs 1000")])
+def test_a_full_disk_at_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                       failure):
+    cfg, model, opt = saved_run(tmp_path, [2])
+    real_save = torch.save
+
+    def fills_the_disk(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise failure
+    monkeypatch.setattr(torch, "save", fills_the_disk)
+    with pytest.raises(OSError) as err:
+        ckpt.save_checkpoint(str(tmp_path), 4, [model], opt, None, cfg, 0, 1)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert err.value.errno == errno.ENOSPC
+    assert "disk is full" in str(err.value)
+    assert ckpt.rank_file(str(tmp_path), 4, 0) in str(err.value)
+    assert os.listdir(ckpt.iteration_dir(str(tmp_path), 4)) == []     # no temporary file
+    assert ckpt.latest_iteration(str(tmp_path)) == 2
+    model, opt = fresh(cfg)
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
+
+
+def test_stale_temporary_files_are_removed_before_saving(tmp_path):
+    saved_run(tmp_path, [2])
+    stale = [os.path.join(ckpt.iteration_dir(str(tmp_path), 2), "rank_00001.pt.tmp4242"),
+             os.path.join(str(tmp_path), ckpt.LATEST + ".tmp77")]
+    kept = [os.path.join(str(tmp_path), "notes.tmp1"),
+            os.path.join(ckpt.iteration_dir(str(tmp_path), 2), "rank_00000.pt")]
+    for path in stale + kept[:1]:
+        open(path, "w").close()
+    ckpt.prepare_save_dir(str(tmp_path), rank=0)
+    assert not any(os.path.exists(p) for p in stale)
+    assert all(os.path.exists(p) for p in kept)
+    ckpt.prepare_save_dir(str(tmp_path / "new"), rank=0)   # a new --save dir is created
+    assert os.path.isdir(tmp_path / "new")
+
+
+def test_a_save_directory_that_cannot_be_written_is_an_error_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=f"--save {blocker}/ckpt: cannot write "
+                                                   f"checkpoints there"):
+        ckpt.prepare_save_dir(str(blocker / "ckpt"), rank=0)
+
+
+def test_keep_last_keeps_only_the_newest_complete_checkpoints(tmp_path):
+    os.makedirs(ckpt.iteration_dir(str(tmp_path), 9))      # a save in progress beyond latest
+    saved_run(tmp_path, [1, 2, 3, 4], "--save", str(tmp_path), "--keep-last", "2")
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000004", "iter_0000009",
+                                            ckpt.LATEST]
+    saved_run(tmp_path / "all", [1, 2, 3])
+    assert len([d for d in os.listdir(tmp_path / "all") if d.startswith("iter_")]) == 3
+
+
+def test_keep_last_needs_a_save_directory_and_a_count(capsys):
+    for flags, message in ((["--keep-last", "2"], "--keep-last needs --save"),
+                           (["--save", "x", "--keep-last", "-1"], "--keep-last must be >= 0")):
+        with pytest.raises(SystemExit):
+            tiny_config(*flags)
+        assert message in capsys.readouterr().err
+
+
+def disk_full(obj, path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _fallback_agreed_over_ranks(rank, world_size, directory):
+    """Both ranks save at 2 and 4; rank 1's disk is full at 6; rank 1's file of 4 is then
+    truncated. Returns each rank's save error at 6, what it loaded and the warnings it gave."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    cfg = tiny_config()
+    torch.manual_seed(1)
+    model = tiny_model()
+    opt = TrainOptimizer(model.named_parameters(), cfg)
+    for it in (2, 4):
+        train_steps(model, opt, it - 2, it)
+        ckpt.save_checkpoint(directory, it, [model], opt, {"consumed_samples": it}, cfg, rank,
+                             world_size)
+    real_save = torch.save
+    if rank == 1:
+        torch.save = disk_full
+    try:
+        ckpt.save_checkpoint(directory, 6, [model], opt, None, cfg, rank, world_size)
+        save_error = None
+    except (OSError, ckpt.CheckpointError) as err:
+        save_error = str(err)
+    torch.save = real_save
+    if rank == 1:
+        truncate(ckpt.rank_file(directory, 4, 1))
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        done, sampler = ckpt.load_checkpoint(directory, [model], opt, cfg, rank, world_size)
+    return save_error, done, sampler, [str(w.message) for w in caught]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_newest_checkpoint_every_rank_can_read(tmp_path):
+    from tests.multiproc import run_in_processes
+    results = run_in_processes(_fallback_agreed_over_ranks, 2, args=(str(tmp_path),),
+                               timeout_s=120)
+    (error0, *_), (error1, *_) = results
+    assert "another rank could not write its checkpoint file" in error0
+    assert "disk is full" in error1 and ckpt.rank_file(str(tmp_path), 6, 1) in error1
+    assert ckpt.latest_iteration(str(tmp_path)) == 4
+    assert [(done, sampler) for _, done, sampler, _ in results] == \
+        [(2, {"consumed_samples": 2}), (2, {"consumed_samples": 2})]
+    rank0, rank1 = (" | ".join(w) for *_, w in results)
+    assert "iteration 4 is unreadable on some rank; resuming from iteration 2" in rank0
+    assert ckpt.rank_file(str(tmp_path), 4, 1) in rank1 and "truncated or corrupt" in rank1
+
+
+# ---------------------------------------------------------------------------- LR schedule
+
+def test_schedule_flags_that_differ_from_the_checkpoint_are_named(tmp_path):
+    saved_run(tmp_path, [3], "--train-iters", "10")
+    cfg = tiny_config("--train-iters", "20", "--min-lr", "0.001")
+    model, opt = fresh(cfg)
+    with pytest.raises(ValueError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    msg = str(err.value)
+    assert "--lr-decay-iters: checkpoint 10, now 20" in msg
+    assert "--min-lr: checkpoint 0.0, now 0.001" in msg
+    assert "--lr:" not in msg and "--use-checkpoint-opt-param-scheduler" in msg
+    assert "defaults to --train-iters" in msg
+    same_decay = tiny_config("--train-iters", "20", "--lr-decay-iters", "10", "--lr", "0.02")
+    model, opt = fresh(same_decay)
+    with pytest.raises(ValueError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, same_decay, 0, 1)
+    assert "--lr: checkpoint 0.01, now 0.02" in str(err.value)
+    assert "defaults to --train-iters" not in str(err.value)
+    longer = tiny_config("--train-iters", "20", "--lr-decay-iters", "10")  # same schedule
+    model, opt = fresh(longer)
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, longer, 0, 1)[0] == 3
+
+
+def test_scheduler_flags_pick_the_checkpoint_or_this_run(tmp_path):
+    saved_run(tmp_path, [3], "--train-iters", "10")
+    for flags, decay_iters in ((["--use-checkpoint-opt-param-scheduler"], 10),
+                               (["--use-checkpoint-opt_param-scheduler"], 10),
+                               (["--override-opt-param-scheduler"], 20),
+                               (["--override-opt_param-scheduler"], 20)):
+        cfg = tiny_config("--train-iters", "20", *flags)
+        model, opt = fresh(cfg)
+        assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 3
+        assert opt.schedule["lr_decay_iters"] == decay_iters
+        assert opt.lr_at(15) == learning_rate(15, 0.01, 0.0, 2, decay_iters, "cosine")
+        assert opt.num_steps == 3
+
+
+def test_both_scheduler_flags_at_once_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        tiny_config("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler")
+    assert "mutually exclusive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- real runs
+
+import json
+import subprocess
+import sys
+
+from tests.test_training import REPO, env_with_repo, free_port_pair, sp_dataset  # noqa: F401
+
+RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+       "--tokens-per-global-batch", "1024", "--seq-length", "128", "--lr", "5e-3",
+       "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "5e-4",
+       "--distributed-timeout-minutes", "0.5", "--num-planner-workers", "0"]
+
+
+def pretrain_gpt(args, stats_file):
+    """pretrain_gpt.py as a world of one; returns (exit code, output, rank 0's stats)."""
+    env = dict(env_with_repo(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair()))
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *args, "--stats-file",
+                           str(stats_file)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    stats = [json.loads(line) for line in open(stats_file)] if os.path.exists(stats_file) else []
+    return done.returncode, done.stdout + done.stderr, stats
+
+
+def losses_and_lrs(stats):
+    return [(s["iteration"], s["loss"], s["lr"]) for s in stats]
+
+
+@pytest.mark.slow
+def test_resume_to_more_iterations_is_refused_or_exact_as_documented(sp_dataset, tmp_path):
+    """10 iterations, then resume to 20 with only --train-iters changed: refused, since the
+    defaulted --lr-decay-iters moved from 10 to 20. A checkpoint made with --lr-decay-iters 20
+    resumes to exactly the straight 20-iteration run (with or without
+    --use-checkpoint-opt-param-scheduler; with it, the flags given now do not matter)."""
+    args = sp_dataset + RUN
+    code, out, straight = pretrain_gpt(args + ["--train-iters", "20"], tmp_path / "straight")
+    assert code == 0, out[-3000:]
+    assert [s["iteration"] for s in straight] == list(range(1, 21))
+
+    short = tmp_path / "short"
+    code, out, _ = pretrain_gpt(args + ["--train-iters", "10", "--save", str(short)],
+                                tmp_path / "short.jsonl")
+    assert code == 0, out[-3000:]
+    code, out, stats = pretrain_gpt(args + ["--train-iters", "20", "--load", str(short)],
+                                    tmp_path / "refused.jsonl")
+    assert code != 0 and stats == []
+    assert "--lr-decay-iters: checkpoint 10, now 20" in out
+    assert "--override-opt-param-scheduler" in out
+
+    planned = tmp_path / "planned"
+    code, out, first = pretrain_gpt(args + ["--train-iters", "10", "--lr-decay-iters", "20",
+                                            "--save", str(planned)], tmp_path / "first.jsonl")
+    assert code == 0, out[-3000:]
+    assert losses_and_lrs(first) == losses_and_lrs(straight[:10])
+    for name, extra in (("same", []),
+                        ("checkpoint", ["--use-checkpoint-opt-param-scheduler", "--lr", "1e-2",
+                                        "--lr-decay-iters", "50"])):
+        code, out, rest = pretrain_gpt(args + ["--train-iters", "20", "--load", str(planned),
+                                               *extra], tmp_path / f"{name}.jsonl")
+        assert code == 0, out[-3000:]
+        assert losses_and_lrs(rest) == losses_and_lrs(straight[10:])   # bit for bit

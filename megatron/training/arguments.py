@@ -75,6 +75,9 @@ class TrainConfig:
     log_interval: int
     tensorboard_dir: str | None
     stats_file: str | None
+    keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
+    override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
+    use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -175,6 +178,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(bool(cfg.data_path), "--data-path is required")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
+    need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
+    need(not (cfg.keep_last and not cfg.save), "--keep-last needs --save DIR")
+    need(not (cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler),
+         "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+         "mutually exclusive")
     return problems
 
 
@@ -269,6 +277,15 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--save-interval", type=int, default=0, help="iterations between saves")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the newest N complete checkpoints (0: keep all)")
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on --load, follow this run's LR schedule flags, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt-param-scheduler",
+                   "--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's LR schedule settings")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--stats-file", default=None,
@@ -334,7 +351,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         save=args.save, save_interval=args.save_interval, load=args.load,
         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-        stats_file=args.stats_file)
+        stats_file=args.stats_file, keep_last=args.keep_last,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
 def config_field_names() -> list[str]:

@@ -24,6 +24,43 @@ def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
     raise ValueError(f"unknown lr decay style {decay_style!r}")
 
 
+# The flags that shape the LR schedule (TrainConfig field names); a checkpoint records them.
+SCHEDULE_SETTINGS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+SCHEDULER_POLICIES = ("check", "override", "use-checkpoint")
+
+
+def schedule_settings(cfg) -> dict:
+    return {name: getattr(cfg, name) for name in SCHEDULE_SETTINGS}
+
+
+def resolve_schedule(saved: dict, current: dict, policy: str, where: str) -> dict:
+    """The schedule a resumed run follows, with Megatron's rule: settings are compared after
+    defaults are resolved (so a changed --train-iters changes a defaulted --lr-decay-iters);
+    a difference is an error unless `policy` is "override" (this run's flags win) or
+    "use-checkpoint" (the checkpoint's settings win)."""
+    if policy not in SCHEDULER_POLICIES:
+        raise ValueError(f"unknown scheduler policy {policy!r}, expected one of "
+                         f"{SCHEDULER_POLICIES}")
+    missing = [name for name in SCHEDULE_SETTINGS if name not in saved]
+    if missing:
+        raise ValueError(f"{where}: the checkpoint's LR schedule lacks {', '.join(missing)}")
+    if policy == "override":
+        return dict(current)
+    if policy == "use-checkpoint":
+        return {name: saved[name] for name in SCHEDULE_SETTINGS}
+    diffs = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, now {current[name]!r}"
+             for name in SCHEDULE_SETTINGS if saved[name] != current[name]]
+    if diffs:
+        why = (" (--lr-decay-iters defaults to --train-iters, so a longer run changes it too)"
+               if saved["lr_decay_iters"] != current["lr_decay_iters"] else "")
+        raise ValueError(
+            f"{where}: the LR schedule differs from the checkpoint's: " + "; ".join(diffs) +
+            f"{why}. Repeat the checkpoint's settings, or pass "
+            f"--use-checkpoint-opt-param-scheduler (keep the checkpoint's schedule) or "
+            f"--override-opt-param-scheduler (use this run's flags from here on)")
+    return dict(current)
+
+
 def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     """Count every parameter once over the model-parallel group: TP-replicated parameters
     (norms, row-parallel biases) only on TP rank 0, and the last stage's copy of tied word
@@ -82,11 +119,24 @@ class TrainOptimizer:
                   {"params": plain, "weight_decay": 0.0}]
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
                                       betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        self.schedule = schedule_settings(cfg)
+        self.num_steps = 0      # the scheduler's position: optimizer steps taken so far
 
     def lr_at(self, iteration: int) -> float:
-        c = self.cfg
-        return learning_rate(iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters,
-                             c.lr_decay_style)
+        c = self.schedule
+        return learning_rate(iteration, c["lr"], c["min_lr"], c["lr_warmup_iters"],
+                             c["lr_decay_iters"], c["lr_decay_style"])
+
+    def scheduler_state_dict(self) -> dict:
+        """The LR schedule's settings and position, for the checkpoint."""
+        return {"settings": dict(self.schedule), "num_steps": self.num_steps}
+
+    def load_scheduler_state_dict(self, state: dict, policy: str = "check",
+                                  where: str = "checkpoint") -> None:
+        """Resume the schedule from `state` under `policy` (see `resolve_schedule`)."""
+        self.schedule = resolve_schedule(state["settings"], schedule_settings(self.cfg),
+                                         policy, where)
+        self.num_steps = int(state["num_steps"])
 
     def step(self, iteration: int) -> dict:
         """Clip, set the LR of `iteration`, step, and zero gradients. Returns grad norm and LR."""
@@ -99,6 +149,7 @@ class TrainOptimizer:
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.step()
+        self.num_steps = iteration + 1
         self._copy_main_to_model()
         self.zero_grad()
         return {"grad_norm": norm, "lr": lr}

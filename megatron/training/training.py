@@ -282,6 +282,8 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     start = 0
     if cfg.load:
         start = resume(cfg, data, stages, optimizer, layout)
+    if cfg.save:
+        checkpointing.prepare_save_dir(cfg.save, layout.rank)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
                              pp_group=pipeline_p2p_groups(),
                              device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60)
@@ -295,9 +297,12 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
 
 
 def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -> int:
-    """Load the latest checkpoint of --load; returns the iterations it had completed. Like
-    Megatron, a --load directory without a checkpoint yet (e.g. --save and --load the same
-    directory on a first run) starts from iteration 0."""
+    """Load the newest checkpoint of --load that every rank can read (an unreadable latest one
+    is skipped with a warning); returns the iterations it had completed. The LR schedule flags
+    must match the checkpoint's unless --override-opt-param-scheduler or
+    --use-checkpoint-opt-param-scheduler says which wins. Like Megatron, a --load directory
+    without a checkpoint yet (e.g. --save and --load the same directory on a first run)
+    starts from iteration 0."""
     if not os.path.isfile(os.path.join(cfg.load, checkpointing.LATEST)):
         if layout.rank == 0:
             print(f"[train] --load {cfg.load}: no checkpoint there yet, starting from "
