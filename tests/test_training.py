@@ -357,7 +357,6 @@ def _resume_from(rank, world_size, iterations):
 @pytest.mark.slow
 def test_ranks_resuming_from_different_checkpoints_is_an_error_on_every_rank():
     from tests.multiproc import run_in_processes
-    assert run_in_processes(_resume_from, 2, args=((4, 4),), timeout_s=120) == [4, 4]
     for msg in run_in_processes(_resume_from, 2, args=((20, 10),), timeout_s=120):
         assert "--load ckpt: the ranks resume from different checkpoints (rank 0: iteration " \
                "20, rank 1: iteration 10)" in msg

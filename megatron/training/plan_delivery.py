@@ -10,7 +10,8 @@ ranks of one (dp, pp) each get their own copy. A plan is sent as soon as it exis
 finish it while the leader still trains the previous iteration), so a reader's receive finds it
 waiting; at most `max_outstanding` iterations of sends are in flight. Readers receive in
 iteration order and wait at most `timeout_s`: a dead or stalled leader is an error naming the
-rank and the iteration, never a hang. Plans carry a CRC (dynapipe_ext/serialization.py), checked
+rank and the iteration, never a hang (a gloo timeout also closes that rank's connections of the
+group, so delivery ends there; the run ends with it anyway). Plans carry a CRC (dynapipe_ext/serialization.py), checked
 when decoded: a corrupted plan is an error, never a run on wrong data.
 """
 from __future__ import annotations
