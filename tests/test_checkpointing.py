@@ -406,7 +406,8 @@ import json
 import subprocess
 import sys
 
-from tests.test_training import REPO, env_with_repo, free_port_pair, sp_dataset  # noqa: F401
+from tests.multiproc import free_port
+from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 
 RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
        "--tokens-per-global-batch", "1024", "--seq-length", "128", "--lr", "5e-3",
@@ -417,7 +418,7 @@ RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
 def pretrain_gpt(args, stats_file):
     """pretrain_gpt.py as a world of one; returns (exit code, output, rank 0's stats)."""
     env = dict(env_with_repo(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, "pretrain_gpt.py", *args, "--stats-file",
                            str(stats_file)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)

@@ -92,30 +92,16 @@ def test_run_summary_counts_plan_wait_after_the_first_iteration():
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from tests.multiproc import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
               "--tokens-per-global-batch", "1024", "--lr", "5e-3", "--lr-decay-style",
               "constant", "--distributed-timeout-minutes", "0.5", "--num-planner-workers", "1"]
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (process group and plan store)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
 def env_with_repo() -> dict:
@@ -147,7 +133,7 @@ def sp_dataset(tmp_path_factory):
 def torchrun(script: str, args, stats_file, nproc: int = 2, timeout: float = 240):
     """Run `script` under torchrun on CPU; returns the per-iteration stats of rank 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            script, *args, "--stats-file", str(stats_file)]
     done = subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
                           timeout=timeout)
@@ -179,6 +165,51 @@ def test_gpt_pp2_dynamic_trains_and_resumes_exactly(sp_dataset, tmp_path):
     assert [s["grad_norm"] for s in resumed] == [s["grad_norm"] for s in straight[3:]]
 
 
+def start_ranks(script: str, args, out_dir, nproc: int = 2) -> list:
+    """`script` as `nproc` rank processes (env:// rendezvous, as torchrun sets it up), each
+    writing to out_dir/rank<R>.out; returns the Popen objects."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(env_with_repo(), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(out_dir / f"rank{rank}.out", "w") as out:
+            procs.append(subprocess.Popen([sys.executable, script, *args], cwd=REPO, env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_exits_at_once_on_every_rank(sp_dataset, tmp_path):
+    args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--seq-length",
+                                      "128", "--train-iters", "2"]
+    ckpt = tmp_path / "ckpt"
+    torchrun("pretrain_gpt.py", args + ["--save", str(ckpt)], tmp_path / "first.jsonl")
+    procs = start_ranks("pretrain_gpt.py", args + ["--load", str(ckpt), "--save", str(ckpt)],
+                        tmp_path)
+    exited = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(exited) < len(procs) and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if rank not in exited and proc.poll() is not None:
+                    exited[rank] = time.monotonic()
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    outs = [(tmp_path / f"rank{r}.out").read_text() for r in range(len(procs))]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    line = "[train] checkpoint at iteration 2 of --train-iters 2: nothing left to train"
+    assert outs[0].count(line) == 1 and line not in outs[1], outs
+    assert not any("iter " in o or "saved checkpoint" in o for o in outs), outs
+    # no rank waits for plans or peers: they end together, not a 30 s distributed timeout
+    # apart (start-up itself is slow on a loaded machine, so it is not what is timed)
+    assert max(exited.values()) - min(exited.values()) < 15, exited
+
+
 @pytest.mark.slow
 def test_t5_pp2_dynamic_trains(sp_dataset, tmp_path):
     args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--num-layers",
@@ -193,7 +224,7 @@ def test_t5_pp2_dynamic_trains(sp_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_a_dead_rank_makes_the_other_exit_with_an_error(sp_dataset, tmp_path):
-    port = free_port_pair()
+    port = free_port()
     args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--seq-length",
                                       "128", "--train-iters", "500"]
     procs, outs = [], []
@@ -309,6 +340,26 @@ def test_a_bad_plan_on_one_rank_is_an_error_on_every_rank():
     for msg in messages:
         assert "iteration 3: the plan does not match this rank" in msg
         assert "rank 1: plan is for pp 0" in msg
+
+
+def _resume_from(rank, world_size, iterations):
+    import torch.distributed as dist
+    from megatron.training.training import agree_on_start
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    layout = ParallelLayout(tp=1, pp=2, dp=1, tp_rank=0, pp_rank=rank, dp_rank=0, rank=rank,
+                            world_size=2, device=torch.device("cpu"))
+    try:
+        return agree_on_start(iterations[rank], "ckpt", layout)
+    except RunSetupError as err:
+        return str(err)
+
+
+@pytest.mark.slow
+def test_ranks_resuming_from_different_checkpoints_is_an_error_on_every_rank():
+    from tests.multiproc import run_in_processes
+    for msg in run_in_processes(_resume_from, 2, args=((20, 10),), timeout_s=120):
+        assert "--load ckpt: the ranks resume from different checkpoints (rank 0: iteration " \
+               "20, rank 1: iteration 10)" in msg
 
 
 def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(monkeypatch,

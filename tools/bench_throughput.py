@@ -209,7 +209,7 @@ def real_tokens_enc_dec(micro_batches, lengths) -> list[int]:
     return [enc, dec]
 
 
-def bench_strategy(job: dict, strategy: str, index: int) -> dict:
+def bench_strategy(job: dict, strategy: str) -> dict:
     """Run one strategy: warm-up iterations, then timed ones; returns rank 0's record."""
     import torch
     import torch.distributed as dist
@@ -218,7 +218,6 @@ def bench_strategy(job: dict, strategy: str, index: int) -> dict:
     from megatron.training.arguments import parse_args
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
-    os.environ["DYNAPIPE_PLAN_STORE_PORT"] = str(int(os.environ["MASTER_PORT"]) + 10 + index)
     micro_batch_size, tuning = None, {}
     if strategy.split("+")[0] in ("padding", "packing"):
         micro_batch_size, tuning = tune_for(cfg, job, strategy)
@@ -328,9 +327,9 @@ def worker_main(job_file: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     job["memory_gib"] = group_memory_gib(job)
     results = []
-    for index, strategy in enumerate(job["strategies"]):
+    for strategy in job["strategies"]:
         try:
-            results.append(bench_strategy(job, strategy, index))
+            results.append(bench_strategy(job, strategy))
         except Exception as err:   # noqa: BLE001 - recorded, the other strategies still run
             if dist.is_initialized():
                 raise

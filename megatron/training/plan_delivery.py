@@ -1,24 +1,29 @@
-"""Plan delivery: the planning leader (global rank 0) plans ahead with `PlanAhead` and hands
-every rank exactly its execution plan through a `torch.distributed.TCPStore`.
+"""Plan delivery: the planning leader (global rank 0) plans ahead with `PlanAhead` and sends
+every other rank exactly its execution plan over a process group of the run's own ranks.
 
-The store is one of our own, served by rank 0 on MASTER_ADDR at MASTER_PORT + 1 (override with
-`port=` or DYNAPIPE_PLAN_STORE_PORT): torch's default store is not public API, and a separate
-store keeps plan traffic away from the process-group rendezvous. Nothing else to install.
-
-Keys of iteration i: `dynapipe/plan/<i>/<dp>/<pp>` (one per data-parallel replica x pipeline
-rank; TP ranks of the same (dp, pp) read the same key) and `dynapipe/plan/<i>/acks`, a counter
-every reader bumps once it has its copy. The leader deletes an iteration's keys as soon as all
-world_size - 1 readers have acked, and never lets more than `max_outstanding` iterations wait for
-acks, so store memory is bounded however long training runs. A value is tagged: b"P" + plan
-bytes, or b"E" + the planning error text, which every rank raises as `PlanningFailed`.
+No store and no extra listening socket: at set-up every rank joins one dedicated gloo group
+(gloo even when training runs on NCCL: plans are host bytes), and the plans travel over the
+connections of that group, which only the run's ranks hold. Per iteration and reader the leader
+posts two non-blocking sends: a header (int64: kind, iteration, byte count) and the bytes; the
+kind is a plan, or the planning error text, which every rank raises as `PlanningFailed`. TP
+ranks of one (dp, pp) each get their own copy. A plan is sent as soon as it exists (a worker may
+finish it while the leader still trains the previous iteration), so a reader's receive finds it
+waiting; at most `max_outstanding` iterations of sends are in flight. Readers receive in
+iteration order and wait at most `timeout_s`: a dead or stalled leader is an error naming the
+rank and the iteration, never a hang (a gloo timeout also closes that rank's connections of the
+group, so delivery ends there; the run ends with it anyway). Plans carry a CRC (dynapipe_ext/serialization.py), checked
+when decoded: a corrupted plan is an error, never a run on wrong data.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
 
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                             iteration_plan_fn)
@@ -26,56 +31,54 @@ from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
 from dynapipe_ext.planners import PlannerConfig
 
-KEY_PREFIX = "dynapipe/plan"
-STORE_PORT_ENV = "DYNAPIPE_PLAN_STORE_PORT"
-STORE_PORT_OFFSET = 1
-_PLAN_TAG = b"P"
-_ERROR_TAG = b"E"
-_ACK_POLL_S = 0.005
+PLAN, ERROR = 1, 2                 # header kinds
+HEADER_TAG, PAYLOAD_TAG = 1, 2     # point-to-point tags on the plan group
+MAX_PLAN_BYTES = 1 << 30
+CLOSE_GRACE_S = 10.0
+LEADER = 0
 
 
-class PlanDeliveryTimeout(RuntimeError):
-    """A rank waited too long for a plan, or the leader for readers' acknowledgements."""
+class PlanDeliveryError(RuntimeError):
+    """A plan could not be delivered: the leader or a reader is gone, or the bytes are bad."""
 
 
-def plan_key(iteration: int, dp_rank: int, pp_rank: int) -> str:
-    return f"{KEY_PREFIX}/{iteration}/{dp_rank}/{pp_rank}"
+class PlanDeliveryTimeout(PlanDeliveryError):
+    """A rank waited too long for a plan, or the leader for a reader to take one."""
 
 
-def ack_key(iteration: int) -> str:
-    return f"{KEY_PREFIX}/{iteration}/acks"
+def plan_group(timeout_s: float):
+    """The process group plans travel on: all ranks, gloo. Collective: every rank creates it
+    at the same point of its set-up."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def plan_store_address(host: str | None = None, port: int | None = None) -> tuple[str, int]:
-    """(host, port) of the plan store: MASTER_ADDR and DYNAPIPE_PLAN_STORE_PORT, else
-    MASTER_PORT + 1, unless given."""
-    host = host or os.environ.get("MASTER_ADDR")
-    if not host:
-        raise ValueError("the plan store needs MASTER_ADDR (or an explicit host)")
-    if port is None:
-        if os.environ.get(STORE_PORT_ENV):
-            port = int(os.environ[STORE_PORT_ENV])
-        elif os.environ.get("MASTER_PORT"):
-            port = int(os.environ["MASTER_PORT"]) + STORE_PORT_OFFSET
-        else:
-            raise ValueError(f"the plan store needs MASTER_PORT or {STORE_PORT_ENV} "
-                             f"(or an explicit port)")
-    return host, port
+def gather_coordinates(group, world_size: int, dp_rank: int, pp_rank: int) -> list[tuple]:
+    """(dp, pp) of every rank, indexed by global rank (one all-gather on the plan group)."""
+    mine = torch.tensor([dp_rank, pp_rank], dtype=torch.int64)
+    everyone = [torch.empty(2, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=group)
+    return [(int(t[0]), int(t[1])) for t in everyone]
 
 
-def create_plan_store(rank: int, world_size: int, timeout_s: float = 300.0,
-                      host: str | None = None, port: int | None = None):
-    """The plan store: served by rank 0, joined by every other rank (waits up to timeout_s)."""
-    import torch.distributed as dist
-    host, port = plan_store_address(host, port)
-    try:
-        return dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                             timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with where and how to fix it
-        role = "serve" if rank == 0 else "reach"
-        raise RuntimeError(f"rank {rank} could not {role} the plan store at {host}:{port} "
-                           f"({exc}); set {STORE_PORT_ENV} to a free port") from exc
+def coordinate_problems(coords: list[tuple], dp_size: int, pp_size: int) -> list[str]:
+    """Ranks whose (dp, pp) is outside the plan's dp_size x pp_size grid."""
+    return [f"rank {r} is (dp {d}, pp {p})" for r, (d, p) in enumerate(coords)
+            if not (0 <= d < dp_size and 0 <= p < pp_size)]
+
+
+def _wait(works: list, deadline: float) -> None:
+    """Wait for point-to-point works until `deadline` (time.monotonic()). TimeoutError when it
+    passes; gloo's RuntimeError when the peer is gone."""
+    for work in works:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            raise
 
 
 def iteration_planner_config(cfg, spec: ModelSpec, dp_size: int) -> IterationPlannerConfig:
@@ -105,14 +108,15 @@ def start_plan_delivery(planner_config: IterationPlannerConfig, lengths_fn: Call
                         first_iteration: int, stop_iteration: int | None = None,
                         num_workers: int | None = None, prefetch: int = 2,
                         timeout_s: float = 900.0) -> "PlanDelivery":
-    """Plan store + PlanDelivery for this rank, started at `first_iteration`. Rank 0 plans in
-    `num_workers` background processes (None: default_num_workers()) with `lengths_fn`."""
+    """The plan group and this rank's PlanDelivery, started at `first_iteration`; every rank
+    calls it at the same point of its set-up. Rank 0 plans in `num_workers` background
+    processes (None: default_num_workers()) with `lengths_fn`."""
+    group = plan_group(timeout_s) if world_size > 1 else None
     planner = None
-    if rank == 0:
+    if rank == LEADER:
         planner = PlanAhead(iteration_plan_fn(planner_config), lengths_fn,
                             num_workers=num_workers, prefetch=prefetch, timeout_s=timeout_s)
-    store = create_plan_store(rank, world_size, timeout_s) if world_size > 1 else None
-    delivery = PlanDelivery(store, rank, world_size, dp_rank, pp_rank, planner_config.dp,
+    delivery = PlanDelivery(group, rank, world_size, dp_rank, pp_rank, planner_config.dp,
                             planner_config.pp, planner=planner, timeout_s=timeout_s)
     return delivery.start(first_iteration, stop_iteration)
 
@@ -134,40 +138,51 @@ def _default_decode(data: bytes):
 
 
 class PlanDelivery:
-    """Per-rank plan source. Every rank calls `start(first_iteration)` once, then
-    `fetch(i)` for each iteration in order; rank 0 must be given the `planner`.
+    """Per-rank plan source. Every rank constructs it (an all-gather on `group`, the plan
+    group; None for a single rank), calls `start(first_iteration)` once, then `fetch(i)` for
+    each iteration in order; rank 0 must be given the `planner`.
 
     The planner's results must have `plan_bytes`, a mapping (dp_rank, pp_rank) -> bytes for all
-    dp_size x pp_size pairs, and may have `timings_ms` (a dict) for the benchmark.
+    dp_size x pp_size pairs, and may have `timings_ms` (a dict) for the benchmark. `decode`
+    turns bytes into a plan and raises ValueError on bad bytes.
     """
 
-    def __init__(self, store, rank: int, world_size: int, dp_rank: int, pp_rank: int,
+    def __init__(self, group, rank: int, world_size: int, dp_rank: int, pp_rank: int,
                  dp_size: int, pp_size: int, planner: PlanAhead | None = None,
                  decode: Callable[[bytes], Any] | None = None, timeout_s: float = 900.0,
                  max_outstanding: int = 4):
-        if rank == 0 and planner is None:
+        if rank == LEADER and planner is None:
             raise ValueError("rank 0 is the planning leader and needs a planner")
-        if world_size > 1 and store is None:
-            raise ValueError(f"{world_size} ranks need a plan store")
+        if world_size > 1 and group is None:
+            raise ValueError(f"{world_size} ranks need a plan group (plan_group())")
         if max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {max_outstanding}")
-        self.store = store
+        self.group = group
         self.rank = rank
         self.world_size = world_size
         self.dp_rank, self.pp_rank = dp_rank, pp_rank
         self.dp_size, self.pp_size = dp_size, pp_size
-        self.planner = planner if rank == 0 else None
+        self.planner = planner if rank == LEADER else None
         self.decode = decode or _default_decode
         self.timeout_s = timeout_s
         self.max_outstanding = max_outstanding
-        self._readers = world_size - 1
-        self._outstanding: list[int] = []      # leader: published, not yet acked by every reader
-        self._ahead: dict[int, tuple] = {}     # leader: published ahead -> (own bytes, timings)
+        self.coords = (gather_coordinates(group, world_size, dp_rank, pp_rank)
+                       if group is not None else [(dp_rank, pp_rank)])
+        problems = coordinate_problems(self.coords, dp_size, pp_size)
+        if problems:   # the same data on every rank, so the same error everywhere
+            raise ValueError(f"plans cover dp {dp_size} x pp {pp_size}, but "
+                             + "; ".join(problems))
+        self._in_flight: deque = deque()     # leader: (iteration, [(rank, works, tensors)])
+        self._ahead: dict[int, Any] = {}     # leader: sent ahead -> (own bytes, timings) | error
         self._next: int | None = None
 
     @property
     def is_leader(self) -> bool:
-        return self.rank == 0
+        return self.rank == LEADER
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank})"
 
     def start(self, first_iteration: int = 0, stop_iteration: int | None = None) -> "PlanDelivery":
         """Begin at `first_iteration` (a resumed run passes its next iteration)."""
@@ -177,11 +192,21 @@ class PlanDelivery:
         return self
 
     def close(self) -> None:
-        """Leader: stop the planners and delete the keys every reader has acked."""
-        if self.is_leader:
-            self.planner.close()
-            if self.store is not None:
-                self._reap()
+        """Leader: stop the planners, then give the readers up to CLOSE_GRACE_S to take what
+        was sent (a planning error above all: a dropped send is a cancelled one). A reader
+        that is gone fails its send at once; one that never reads (its run stopped) is
+        given up on."""
+        if not self.is_leader:
+            return
+        self.planner.close()
+        deadline = time.monotonic() + min(self.timeout_s, CLOSE_GRACE_S)
+        while self._in_flight:
+            _, sends = self._in_flight.popleft()
+            for _, works, _ in sends:
+                try:
+                    _wait(works, deadline)
+                except (TimeoutError, RuntimeError):
+                    pass   # the run is over; its own error, if any, is already on its way
 
     def __enter__(self) -> "PlanDelivery":
         return self
@@ -201,6 +226,13 @@ class PlanDelivery:
             return self._lead(iteration)
         return self._read(iteration)
 
+    def _decode(self, iteration: int, data: bytes):
+        try:
+            return self.decode(data)
+        except ValueError as exc:
+            raise PlanDeliveryError(f"{self.who}: the plan of iteration {iteration} is corrupt "
+                                    f"({exc}); refusing to run it") from exc
+
     # ------------------------------------------------------------------ leader
     def _lead(self, iteration: int) -> DeliveredPlan:
         start = time.perf_counter()
@@ -210,110 +242,117 @@ class PlanDelivery:
                 raise ahead
             own, timings = ahead
         else:
-            own, timings = self._plan_and_publish(iteration)
-        self._publish_ready_ahead(iteration + 1)
-        plan = self.decode(own)
+            own, timings = self._plan_and_send(iteration)
+        self._send_ready_ahead(iteration + 1)
+        plan = self._decode(iteration, own)
         return DeliveredPlan(iteration, plan, time.perf_counter() - start, timings)
 
-    def _plan_and_publish(self, iteration: int) -> tuple[bytes, dict]:
+    def _plan_and_send(self, iteration: int) -> tuple[bytes, dict]:
         try:
             planned = self.planner.get(iteration)
         except PlanningFailed as exc:
-            self._publish_error(iteration, str(exc))
+            self._send_error(iteration, str(exc))
             raise
         except Exception as exc:
             message = f"planning iteration {iteration} failed on the leader: {exc!r}"
-            self._publish_error(iteration, message)
+            self._send_error(iteration, message)
             raise PlanningFailed(iteration, message) from exc
         plan_bytes = planned.value.plan_bytes
         expected = {(d, p) for d in range(self.dp_size) for p in range(self.pp_size)}
         if set(plan_bytes) != expected:
             message = (f"the plan of iteration {iteration} covers (dp, pp) pairs "
                        f"{sorted(plan_bytes)}, expected all of {sorted(expected)}")
-            self._publish_error(iteration, message)
+            self._send_error(iteration, message)
             raise PlanningFailed(iteration, message)
         timings = dict(getattr(planned.value, "timings_ms", None) or {})
         timings["worker_total"] = planned.plan_s * 1e3
         timings["leader_wait"] = planned.wait_s * 1e3
-        self._publish(iteration, {k: _PLAN_TAG + bytes(v) for k, v in plan_bytes.items()})
+        self._send(iteration, {r: (PLAN, bytes(plan_bytes[self.coords[r]]))
+                               for r in range(1, self.world_size)})
         return plan_bytes[(self.dp_rank, self.pp_rank)], timings
 
-    def _publish_ready_ahead(self, iteration: int) -> None:
-        """Publish the next plan at once if a worker already finished it, so the other ranks
+    def _send_ready_ahead(self, iteration: int) -> None:
+        """Send the next plan at once if a worker already finished it, so the other ranks
         do not wait for the leader to finish its own iteration first."""
-        if self.store is None or iteration in self._ahead:
+        if self.group is None or iteration in self._ahead:
             return
         if self.planner.is_ready(iteration):
             try:
-                self._ahead[iteration] = self._plan_and_publish(iteration)
-            except PlanningFailed as exc:  # published already; raised at fetch(iteration)
+                self._ahead[iteration] = self._plan_and_send(iteration)
+            except PlanningFailed as exc:  # sent already; raised at fetch(iteration)
                 self._ahead[iteration] = exc
 
-    def _publish_error(self, iteration: int, message: str) -> None:
-        if self.store is None:
+    def _send_error(self, iteration: int, message: str) -> None:
+        text = message.encode("utf-8", "replace")
+        self._send(iteration, {r: (ERROR, text) for r in range(1, self.world_size)})
+
+    def _send(self, iteration: int, messages: dict[int, tuple[int, bytes]]) -> None:
+        """Post the sends of one iteration (rank -> (kind, bytes)), first waiting for the
+        oldest iteration in flight when `max_outstanding` are."""
+        if self.group is None:
             return
-        payload = _ERROR_TAG + message.encode("utf-8", "replace")
-        keys = {(d, p): payload for d in range(self.dp_size) for p in range(self.pp_size)}
-        self._publish(iteration, keys)
+        while len(self._in_flight) >= self.max_outstanding:
+            self._finish_oldest()
+        sends = []
+        for dst, (kind, data) in messages.items():
+            header = torch.tensor([kind, iteration, len(data)], dtype=torch.int64)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+            try:
+                works = [dist.isend(header, dst, group=self.group, tag=HEADER_TAG)]
+                if payload is not None:
+                    works.append(dist.isend(payload, dst, group=self.group, tag=PAYLOAD_TAG))
+            except RuntimeError as exc:
+                raise PlanDeliveryError(f"planning leader: cannot send the plan of iteration "
+                                        f"{iteration} to rank {dst}: {exc}") from exc
+            sends.append((dst, works, (header, payload)))   # the tensors live until sent
+        self._in_flight.append((iteration, sends))
 
-    def _publish(self, iteration: int, values: dict) -> None:
-        if self.store is None:
-            return
-        self._reap()
-        if len(self._outstanding) >= self.max_outstanding:
-            self._wait_for_acks(self._outstanding[0])
-        keys = [plan_key(iteration, d, p) for d, p in values]
-        self.store.multi_set(keys, list(values.values()))
-        self._outstanding.append(iteration)
-
-    def _acks(self, iteration: int) -> int:
-        return self.store.add(ack_key(iteration), 0)
-
-    def _reap(self) -> None:
-        """Delete the keys of every published iteration all readers have acked."""
-        for it in list(self._outstanding):
-            if self._acks(it) >= self._readers:
-                self._delete(it)
-
-    def _delete(self, iteration: int) -> None:
-        for d in range(self.dp_size):
-            for p in range(self.pp_size):
-                self.store.delete_key(plan_key(iteration, d, p))
-        self.store.delete_key(ack_key(iteration))
-        self._outstanding.remove(iteration)
-
-    def _wait_for_acks(self, iteration: int) -> None:
+    def _finish_oldest(self) -> None:
+        iteration, sends = self._in_flight.popleft()
         deadline = time.monotonic() + self.timeout_s
-        while (acks := self._acks(iteration)) < self._readers:
-            if time.monotonic() > deadline:
+        for dst, works, _ in sends:
+            try:
+                _wait(works, deadline)
+            except TimeoutError:
                 raise PlanDeliveryTimeout(
-                    f"planning leader: only {acks} of {self._readers} ranks read the plan of "
-                    f"iteration {iteration} within {self.timeout_s:g} s; a rank is stuck or dead")
-            time.sleep(_ACK_POLL_S)
-        self._delete(iteration)
+                    f"planning leader: rank {dst} did not take its plan of iteration "
+                    f"{iteration} within {self.timeout_s:g} s; a rank is stuck or dead") from None
+            except RuntimeError as exc:
+                raise PlanDeliveryError(f"planning leader: sending the plan of iteration "
+                                        f"{iteration} to rank {dst} failed; that rank stopped "
+                                        f"or died: {exc}") from exc
 
     # ------------------------------------------------------------------ readers
     def _read(self, iteration: int) -> DeliveredPlan:
-        key = plan_key(iteration, self.dp_rank, self.pp_rank)
         start = time.perf_counter()
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
-            data = self.store.get(key)
-        except Exception as exc:  # noqa: BLE001 - DistStoreError / connection loss
-            raise PlanDeliveryTimeout(
-                f"rank {self.rank} (dp {self.dp_rank}, pp {self.pp_rank}) got no plan for "
-                f"iteration {iteration} (store key {key}) from the planning leader, rank 0, "
-                f"within {self.timeout_s:g} s: {exc}") from exc
+        deadline = time.monotonic() + self.timeout_s
+        header = torch.empty(3, dtype=torch.int64)
+        self._receive(header, HEADER_TAG, iteration, deadline)
+        kind, sent_for, nbytes = header.tolist()
+        if sent_for != iteration or kind not in (PLAN, ERROR) or not 0 <= nbytes <= MAX_PLAN_BYTES:
+            raise PlanDeliveryError(f"{self.who}: waiting for the plan of iteration {iteration},"
+                                    f" got a header (kind {kind}, iteration {sent_for}, "
+                                    f"{nbytes} bytes) from the planning leader")
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            self._receive(payload, PAYLOAD_TAG, iteration, deadline)
+        data = payload.numpy().tobytes()
         wait_s = time.perf_counter() - start
-        try:
-            self.store.add(ack_key(iteration), 1)
-        except Exception:  # noqa: BLE001 - the leader is gone; this rank has its plan, and
-            pass           # its next fetch (or collective) reports the loss with a timeout
-        tag, body = data[:1], data[1:]
-        if tag == _ERROR_TAG:
+        if kind == ERROR:
             raise PlanningFailed(iteration, f"rank {self.rank}: planning of iteration "
                                             f"{iteration} failed on the planning leader "
-                                            f"(rank 0):\n{body.decode('utf-8', 'replace')}")
-        if tag != _PLAN_TAG:
-            raise ValueError(f"rank {self.rank}: store key {key} holds no plan (tag {tag!r})")
-        return DeliveredPlan(iteration, self.decode(body), wait_s, None)
+                                            f"(rank 0):\n{data.decode('utf-8', 'replace')}")
+        return DeliveredPlan(iteration, self._decode(iteration, data), wait_s, None)
+
+    def _receive(self, tensor, tag: int, iteration: int, deadline: float) -> None:
+        try:
+            _wait([dist.irecv(tensor, LEADER, group=self.group, tag=tag)], deadline)
+        except TimeoutError:
+            raise PlanDeliveryTimeout(
+                f"{self.who} got no plan for iteration {iteration} from the planning leader "
+                f"(rank 0) within {self.timeout_s:g} s; rank 0 is stuck or plans too "
+                f"slowly") from None
+        except RuntimeError as exc:
+            raise PlanDeliveryError(
+                f"{self.who} lost the planning leader (rank 0) while waiting for the plan of "
+                f"iteration {iteration}; rank 0 stopped or died: {exc}") from exc

@@ -3,9 +3,9 @@
 `build_run(cfg)` sets a run up in the order things can fail: open the data and check it against
 the tokenizer and model (every rank, before any collective, so a bad file is the same clear error
 everywhere), start the process groups, build this rank's stages and optimizer, resume from a
-checkpoint, start planning ahead. `train(run)` is the loop: per iteration fetch this rank's plan,
-build its micro-batch tensors, run the executor, all-reduce gradients over data parallel, clip,
-step, log and save.
+checkpoint, start planning ahead (unless the checkpoint has nothing left to train). `train(run)`
+is the loop: per iteration fetch this rank's plan, build its micro-batch tensors, run the
+executor, all-reduce gradients over data parallel, clip, step, log and save.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from megatron.core import parallel_state
 
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.plan_ahead import PlanAhead
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                             iteration_plan_fn, pipeline_layout)
+                                             pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler
@@ -37,7 +36,7 @@ from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_gr
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers)
 from megatron.training.optimizer import TrainOptimizer
-from megatron.training.plan_delivery import PlanDelivery, create_plan_store
+from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
                                              shapes_summary, token_slots)
 
@@ -176,23 +175,6 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         check_plans=cfg.check_plans)
 
 
-def start_plan_delivery(cfg: TrainConfig, data: TrainingData, plan_cfg: IterationPlannerConfig,
-                        layout: ParallelLayout, first_iteration: int) -> PlanDelivery:
-    """Rank 0 plans ahead in background workers and publishes every rank's plan."""
-    timeout_s = cfg.distributed_timeout_minutes * 60
-    planner = None
-    if layout.rank == 0:
-        planner = PlanAhead(iteration_plan_fn(plan_cfg), data.batch_lengths,
-                            num_workers=cfg.num_planner_workers, prefetch=cfg.plan_prefetch,
-                            timeout_s=timeout_s)
-    store = create_plan_store(layout.rank, layout.world_size, timeout_s) \
-        if layout.world_size > 1 else None
-    delivery = PlanDelivery(store, layout.rank, layout.world_size, layout.dp_rank,
-                            layout.pp_rank, layout.dp, layout.pp, planner=planner,
-                            timeout_s=timeout_s)
-    return delivery.start(first_iteration, cfg.train_iters)
-
-
 def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, dtype: str,
                   batch_size: int) -> list[str]:
     """Why `plan` cannot run on this rank (empty when it can)."""
@@ -246,7 +228,7 @@ class TrainingRun:
     optimizer: TrainOptimizer
     handlers: HandlerTable
     executor: Executor
-    plans: PlanDelivery
+    plans: PlanDelivery | None     # None when the checkpoint has nothing left to train
     logger: TrainLogger
     start_iteration: int
 
@@ -255,7 +237,8 @@ class TrainingRun:
         return [self.stages[s] for s in sorted(self.stages)]
 
     def close(self) -> None:
-        self.plans.close()
+        if self.plans is not None:
+            self.plans.close()
         self.logger.close()
 
 
@@ -281,7 +264,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                                parallel_state.get_model_parallel_group())
     start = 0
     if cfg.load:
-        start = resume(cfg, data, stages, optimizer, layout)
+        start = agree_on_start(resume(cfg, data, stages, optimizer, layout), cfg.load, layout)
     if cfg.save:
         checkpointing.prepare_save_dir(cfg.save, layout.rank)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
@@ -289,9 +272,20 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                              device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60)
     logger = TrainLogger(cfg.log_interval, cfg.tensorboard_dir,
                          enabled=layout.rank == 0 and verbose, stats_file=cfg.stats_file)
+    finished = start >= cfg.train_iters
     if layout.rank == 0 and verbose:
-        describe_run(cfg, data, spec, layout, start)
-    plans = start_plan_delivery(cfg, data, plan_cfg, layout, start)
+        if finished:
+            print(f"[train] checkpoint at iteration {start} of --train-iters {cfg.train_iters}: "
+                  f"nothing left to train", flush=True)
+        else:
+            describe_run(cfg, data, spec, layout, start)
+    plans = None   # a finished run starts neither planners nor plan delivery
+    if not finished:
+        plans = start_plan_delivery(plan_cfg, data.batch_lengths, layout.rank,
+                                    layout.world_size, layout.dp_rank, layout.pp_rank, start,
+                                    cfg.train_iters, num_workers=cfg.num_planner_workers,
+                                    prefetch=cfg.plan_prefetch,
+                                    timeout_s=cfg.distributed_timeout_minutes * 60)
     return TrainingRun(cfg, data, layout, spec, stage_to_rank, stages, optimizer, handlers,
                        Executor(handlers), plans, logger, start)
 
@@ -317,6 +311,23 @@ def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -
                             f"{sampler_state['consumed_samples']} samples in {done} iterations, "
                             f"this run's data and batch settings give {consumed}")
     return done
+
+
+def agree_on_start(start: int, load_dir: str, layout: ParallelLayout) -> int:
+    """The iteration every rank resumes from; ranks that loaded different checkpoints (e.g.
+    per-node copies of --load) would run different iterations against each other, so that
+    is the same error on every rank."""
+    if layout.world_size == 1:
+        return start
+    mine = torch.tensor([start], dtype=torch.int64, device=layout.device)
+    everyone = [torch.empty_like(mine) for _ in range(layout.world_size)]
+    dist.all_gather(everyone, mine)
+    starts = [int(t.item()) for t in everyone]
+    if len(set(starts)) > 1:
+        found = ", ".join(f"rank {r}: iteration {it}" for r, it in enumerate(starts))
+        raise RunSetupError(f"--load {load_dir}: the ranks resume from different checkpoints "
+                            f"({found}); every rank must load the same iteration")
+    return start
 
 
 def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayout,
