@@ -24,7 +24,7 @@ from .replica_split import balanced_partition, replica_makespans
 
 OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
-PACKING_ALGORITHMS = ("nextfit", "spfhp", "lpfhp", "nnlshp")
+PACKING_ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 
 
 class PlanningError(ValueError):
