@@ -87,9 +87,12 @@ def _trace(seg_time: np.ndarray, back_row: np.ndarray) -> tuple[tuple[int, ...],
     return tuple(reversed(ends)), tuple(reversed(times))
 
 
-def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 32) -> Split:
+def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 32,
+                  upper_bound: float = np.inf) -> Split | None:
     """The exact minimiser of the makespan objective over contiguous splits (module doc).
-    Raises ValueError when no split fits (some position is in no finite segment)."""
+    Raises ValueError when no split fits (some position is in no finite segment). With a
+    finite `upper_bound` (an objective already reached elsewhere), ranges that cannot beat it
+    are pruned from the start, and None is returned when no split is below it."""
     seg_time = np.asarray(seg_time, dtype=np.float64)
     if seg_time.ndim != 2:
         raise ValueError(f"seg_time must be 2-D (positions, segment lengths), got {seg_time.shape}")
@@ -104,7 +107,7 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
     # unresolved candidate index ranges [lo, hi) with a lower bound on g over them
     pending = [(0, len(values), 0.0)]
     while True:
-        bound = np.inf if best is None else best.objective
+        bound = upper_bound if best is None else min(best.objective, upper_bound)
         pending = [(lo, hi, g) for lo, hi, g in pending
                    if lo < hi and g / dp_degree + slope * values[lo] < bound]
         if not pending:
@@ -138,6 +141,8 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
                 start = int(p) + 1
                 col += 1
             pending.append((start, hi, g_parent))
+    if best is None and np.isfinite(upper_bound):
+        return None
     if best is None:
         uncovered = int(np.flatnonzero(_last_finite(seg_time) == 0)[0]) \
             if (_last_finite(seg_time) == 0).any() else -1

@@ -19,7 +19,8 @@ from .cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_n
 from .dp_split import makespan_objective, optimal_split
 from .microbatch import (MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch, as_lengths,
                          padding_efficiency)
-from .ordering import T5_ORDERS, enc_dec_order, length_order, t5_order
+from .ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
+                       t5_order)
 from .replica_split import balanced_partition, replica_makespans
 
 OVERLONG_POLICIES = ("error", "truncate")
@@ -44,7 +45,8 @@ class PlannerConfig:
     token_budget: padded tokens (T5: encoder + decoder) per micro-batch for token-budget;
         None = micro_batch_size-at-max-length worth of tokens.
     overlong: "error" or "truncate" for samples longer than the maximum lengths.
-    t5_order: sample order of the dynamic planner for T5 ("auto" = best of ordering.T5_ORDERS).
+    t5_order: sample order of the dynamic planner for T5 ("auto" = best of ordering.T5_ORDERS
+        and of a local-search refinement of the best, see plan_dynamic).
     dp_probes: t_max bounds the dynamic planner evaluates per DP pass (speed only).
     max_segment_samples: most samples in one dynamic micro-batch; None = as many as fit
         memory, but at most max(64, MAX_TABLE_ENTRIES // n) so the segment table stays small
@@ -343,25 +345,36 @@ def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
 def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     """DynaPipe: order samples so neighbours have similar shapes, then take the contiguous
     split minimising sum_k t_k / D + (P - 1) max_k t_k (dp_split.optimal_split), each
-    micro-batch in the cheapest recompute mode that fits memory. T5 with t5_order="auto"
-    plans both the encoder-length order and the 2-D snake order and keeps the better
-    objective: on FLAN-like data neither wins everywhere (measured within ~3% of each
-    other), and the second DP costs less than the first table build."""
+    micro-batch in the cheapest recompute mode that fits memory.
+
+    T5 with t5_order="auto" plans the clustering + TSP order of the DynaPipe paper, refines
+    its split by a local search over sample moves between micro-batches
+    (ordering.refine_groups) and plans the order that makes the refined groups contiguous,
+    then the 2-D snake and encoder-lexsort orders; the lowest DP objective wins, so the plan
+    is never worse than any of these orders (clustering + TSP included). Each later order
+    only looks for plans beating the best so far (_plan_order), which keeps them cheap.
+    info["objective_ms_by_order"] holds each order's objective (None: not better than the
+    best before it)."""
     cfg = ctx.config
     if cfg.model == "gpt":
         orders = {"length": length_order(ctx.enc)}
     else:
-        names = T5_ORDERS if cfg.t5_order == "auto" else (cfg.t5_order,)
+        # clustering + TSP first: usually the best, so its objective prunes the others' tables
+        names = T5_ORDERS[::-1] if cfg.t5_order == "auto" else (cfg.t5_order,)
         orders = {name: t5_order(ctx.enc, ctx.dec, name) for name in names}
+    by_order = ctx.info.setdefault("objective_ms_by_order", {})
     best = None
     for name, order in orders.items():
-        table = SegmentTable(ctx, order, ctx.padded_enc(ctx.enc[order]),
-                             ctx.padded_dec(ctx.dec[order]))
-        split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
-                              cfg.dp_probes)
-        ctx.info.setdefault("objective_ms_by_order", {})[name] = split.objective
-        if best is None or split.objective < best[2].objective:
-            best = (name, order, split, table)
+        planned = _plan_order(ctx, name, order, None if best is None else best[2].objective)
+        by_order[name] = None if planned is None else planned[2].objective
+        if planned is not None:
+            best = planned
+        if name == "cluster-tsp" and cfg.t5_order == "auto":
+            # refine now: a low incumbent makes the remaining orders' tables and DPs cheap
+            planned = _refined(ctx, best)
+            by_order["refined"] = None if planned is None else planned[2].objective
+            if planned is not None:
+                best = planned
     name, order, split, table = best
     out = []
     modes = cfg.recompute_modes
@@ -375,13 +388,63 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     return out
 
 
+def _refined(ctx: PlanningContext, best):
+    """The plan of the order that makes ordering.refine_groups' improvement of `best`'s
+    micro-batches contiguous; None when it does not beat `best`."""
+    cfg = ctx.config
+    order, split = best[1], best[2]
+    groups, _ = refine_groups(ctx.enc, ctx.dec, [order[s:e] for s, e in split.segments()],
+                              _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel)
+    return _plan_order(ctx, "refined", groups_order(ctx.enc, ctx.dec, groups), split.objective)
+
+
+def _plan_order(ctx: PlanningContext, name: str, order: np.ndarray,
+                incumbent: float | None = None):
+    """(name, order, optimal contiguous split, segment table) of one sample order; None when
+    a plan better than `incumbent` (an objective already reached) does not exist in it.
+
+    With an incumbent F, a micro-batch of time t can only be part of a better split if
+    t * (1 / D + P - 1) < F (the objective is at least t / D + (P - 1) t), so the table
+    leaves longer segments out: the DP stays exact among the splits that could win, and
+    costs far less."""
+    cfg = ctx.config
+    bound = np.inf if incumbent is None else (
+        incumbent / (1.0 / cfg.data_parallel + cfg.pipeline_stages - 1))
+    try:
+        table = SegmentTable(ctx, order, ctx.padded_enc(ctx.enc[order]),
+                             ctx.padded_dec(ctx.dec[order]), time_bound=bound)
+        split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
+                              cfg.dp_probes, np.inf if incumbent is None else incumbent)
+    except (PlanningError, ValueError):
+        if incumbent is None:
+            raise
+        return None            # some sample cannot be in any micro-batch under the bound
+    if split is None or (incumbent is not None and not split.objective < incumbent):
+        return None
+    return name, order, split, table
+
+
+def _segment_time_fn(ctx: PlanningContext):
+    """segment_time(rows, max enc, max dec) -> time ms (inf: over memory or over the segment
+    cap) for ordering.refine_groups, with the planner's padding and recompute choice."""
+    cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // ctx.n)
+
+    def segment_time(rows, enc_max, dec_max):
+        rows = np.asarray(rows)
+        t = ctx.cost(rows, ctx.padded_enc(enc_max), ctx.padded_dec(dec_max)).time_ms
+        return np.where(rows > cap, np.inf, t)
+    return segment_time
+
+
 class SegmentTable:
     """Time / recompute mode / memory of every feasible contiguous segment of the order:
     entry [j - 1, k] is the segment of order positions [j - 1 - k, j). Segments that do not
     fit memory even in the lightest mode are inf; their lengths are found per end position
-    by a vectorised binary search (memory grows with rows and lengths)."""
+    by a vectorised binary search (memory grows with rows and lengths). With `time_bound`,
+    segments slower than it are left out too (time grows with rows and lengths as well)."""
 
-    def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray):
+    def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray,
+                 time_bound: float = np.inf):
         self.ctx = ctx
         self.order = order
         self._enc_max = RangeMax(pe)
@@ -389,7 +452,10 @@ class SegmentTable:
         n = len(order)
         ends = np.arange(1, n + 1)
         cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // n)
-        reach = self._reach(ends, cap)
+        if np.isfinite(time_bound):
+            reach = self._reach_time(ends, np.minimum(ends, cap), time_bound)
+        else:
+            reach = self._reach(ends, cap)
         if (reach == 0).any():
             j = int(np.flatnonzero(reach == 0)[0])
             raise PlanningError(ctx.explain_infeasible([(int(order[j]),)], int(pe[j]), int(pd[j])))
@@ -445,6 +511,35 @@ class SegmentTable:
             e = ends[active]
             fits = self.ctx.cost(mid, self._enc_max(e - mid, e), self._dec_max(e - mid, e),
                                  lightest).mode >= 0
+            lo[active] = np.where(fits, mid, lo[active])
+            hi[active] = np.where(fits, hi[active], mid - 1)
+            active = active[lo[active] < hi[active]]
+        return lo
+
+
+    def _reach_time(self, ends: np.ndarray, top: np.ndarray, bound: float) -> np.ndarray:
+        """Per end position, the most samples (<= top) a segment ending there may hold with
+        its time (cheapest mode that fits; inf when none fits) at most `bound`. Gallops up
+        from one sample, then bisects: the answer is small when the bound is tight."""
+        lo = np.zeros_like(top)
+        hi = top.copy()
+        step = np.ones_like(top)
+        active = np.flatnonzero(lo < hi)
+        while active.size:
+            probe = np.minimum(lo[active] + step[active], hi[active])
+            e = ends[active]
+            fits = self.ctx.cost(probe, self._enc_max(e - probe, e),
+                                 self._dec_max(e - probe, e)).time_ms <= bound
+            lo[active] = np.where(fits, probe, lo[active])
+            hi[active] = np.where(fits, hi[active], probe - 1)
+            step[active] *= 2
+            active = active[fits & (lo[active] < hi[active])]
+        active = np.flatnonzero(lo < hi)
+        while active.size:
+            mid = (lo[active] + hi[active] + 1) // 2
+            e = ends[active]
+            fits = self.ctx.cost(mid, self._enc_max(e - mid, e),
+                                 self._dec_max(e - mid, e)).time_ms <= bound
             lo[active] = np.where(fits, mid, lo[active])
             hi[active] = np.where(fits, hi[active], mid - 1)
             active = active[lo[active] < hi[active]]

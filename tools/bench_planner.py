@@ -79,6 +79,27 @@ def global_batch(model: str, tokens: int, max_len: int, max_dec: int, seed: int)
     return np.stack([enc[:take], dec[:take]], axis=1)
 
 
+def multitask_t5_batch(seed: int, tokens: int = 65536, num_tasks: int = 40, max_len: int = 2048,
+                       max_dec: int = 512) -> np.ndarray:
+    """Seeded FLAN-like multi-task T5 global batch, (encoder, decoder) lengths: each task has
+    its own lognormal input and target lengths (medians spread over ~20-2,000 and ~2-200
+    tokens, narrow or wide per task) and mixing weight; samples are drawn until the encoder
+    tokens reach `tokens`. Clusters of tasks with different shapes are what makes the T5
+    order matter."""
+    rng = np.random.default_rng(seed)
+    enc_med = np.exp(rng.normal(np.log(200), 1.0, num_tasks))
+    dec_med = np.exp(rng.normal(np.log(20), 1.1, num_tasks))
+    enc_sig, dec_sig = rng.uniform(0.1, 0.7, num_tasks), rng.uniform(0.1, 0.9, num_tasks)
+    weights = rng.dirichlet(np.ones(num_tasks))
+    n = 4 * tokens // 20 + 100
+    task = rng.choice(num_tasks, size=n, p=weights)
+    enc = np.clip(np.exp(rng.normal(np.log(enc_med[task]), enc_sig[task])), 4, max_len)
+    dec = np.clip(np.exp(rng.normal(np.log(dec_med[task]), dec_sig[task])), 1, max_dec)
+    enc, dec = enc.astype(np.int64), dec.astype(np.int64)
+    take = int(np.searchsorted(np.cumsum(enc), tokens, side="right"))
+    return np.stack([enc[:take], dec[:take]], axis=1)
+
+
 def bench_point(model: str, tokens: int, max_len: int, stages: int, repeats: int,
                 seed: int) -> list[dict]:
     spec = GPT_SPEC if model == "gpt" else T5_SPEC
