@@ -25,6 +25,7 @@ from .replica_split import balanced_partition, replica_makespans
 
 OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
+REFINE_ROUNDS = 16   # T5 local-search rounds: on FLAN-like batches later ones add < 0.1%
 PACKING_ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 
 
@@ -394,7 +395,8 @@ def _refined(ctx: PlanningContext, best):
     cfg = ctx.config
     order, split = best[1], best[2]
     groups, _ = refine_groups(ctx.enc, ctx.dec, [order[s:e] for s, e in split.segments()],
-                              _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel)
+                              _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel,
+                              max_rounds=REFINE_ROUNDS)
     return _plan_order(ctx, "refined", groups_order(ctx.enc, ctx.dec, groups), split.objective)
 
 
@@ -440,8 +442,9 @@ class SegmentTable:
     """Time / recompute mode / memory of every feasible contiguous segment of the order:
     entry [j - 1, k] is the segment of order positions [j - 1 - k, j). Segments that do not
     fit memory even in the lightest mode are inf; their lengths are found per end position
-    by a vectorised binary search (memory grows with rows and lengths). With `time_bound`,
-    segments slower than it are left out too (time grows with rows and lengths as well)."""
+    by a vectorised binary search (memory grows with rows and lengths). With a finite
+    `time_bound`, only segments at most that slow are costed and kept (`_segments_under`):
+    a much smaller table when the bound is tight."""
 
     def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray,
                  time_bound: float = np.inf):
@@ -453,18 +456,24 @@ class SegmentTable:
         ends = np.arange(1, n + 1)
         cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // n)
         if np.isfinite(time_bound):
-            reach = self._reach_time(ends, np.minimum(ends, cap), time_bound)
+            end_of, k, costs = self._segments_under(ends, cap, time_bound)
+            reach = np.bincount(end_of - 1, minlength=n)
         else:
             reach = self._reach(ends, cap)
         if (reach == 0).any():
             j = int(np.flatnonzero(reach == 0)[0])
+            if np.isfinite(time_bound):
+                raise PlanningError(f"sample {int(order[j])} alone is slower than the time "
+                                    f"bound {time_bound:.3f} ms (or does not fit memory)")
             raise PlanningError(ctx.explain_infeasible([(int(order[j]),)], int(pe[j]), int(pd[j])))
-        ctx.info["segment_cap"] = int(cap)
+        if not np.isfinite(time_bound):
+            ctx.info["segment_cap"] = int(cap)
+            end_of = np.repeat(ends, reach)
+            k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
+            costs = ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
+                             self._dec_max(end_of - 1 - k, end_of))
         width = int(reach.max())
-        end_of = np.repeat(ends, reach)
-        k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
         start = end_of - 1 - k
-        costs = ctx.cost(k + 1, self._enc_max(start, end_of), self._dec_max(start, end_of))
         self.time = np.full((n, width), np.inf)
         self.mode = np.full((n, width), -1, dtype=np.int64)
         self.memory = np.zeros((n, width))
@@ -495,6 +504,37 @@ class SegmentTable:
         return (int(self._enc_max(np.array([start]), np.array([end]))[0]),
                 int(self._dec_max(np.array([start]), np.array([end]))[0]))
 
+    def _segments_under(self, ends: np.ndarray, cap: int, bound: float):
+        """(end, k, costs) of every segment of k + 1 <= cap samples with time <= bound, by
+        widening all still-open end positions in doubling chunks of segment lengths (time
+        grows with the length of a segment, so an end closes at its first slower one)."""
+        found_end, found_k, found = [], [], []
+        active = ends
+        lo, chunk = 0, 8
+        while active.size and lo < cap:
+            hi = min(cap, lo + chunk)
+            count = np.clip(np.minimum(active, hi) - lo, 0, None)
+            end_of = np.repeat(active, count)
+            k = lo + np.arange(len(end_of)) - np.repeat(np.cumsum(count) - count, count)
+            costs = self.ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
+                                  self._dec_max(end_of - 1 - k, end_of))
+            ok = costs.time_ms <= bound
+            # keep each end's prefix of fast-enough lengths (robust to a non-monotone model)
+            bad_so_far = np.cumsum(~ok)
+            group_start = np.cumsum(count) - count
+            before = np.concatenate([[0], bad_so_far])[group_start]
+            keep = bad_so_far == np.repeat(before, count)
+            found_end.append(end_of[keep])
+            found_k.append(k[keep])
+            found.append((costs.time_ms[keep], costs.memory_bytes[keep], costs.mode[keep]))
+            kept = np.bincount(np.repeat(np.arange(len(active)), count)[keep],
+                               minlength=len(active))
+            active = active[(kept == count) & (active > hi)]
+            lo, chunk = hi, 2 * chunk
+        times, memory, modes = (np.concatenate([f[i] for f in found]) for i in range(3))
+        return (np.concatenate(found_end), np.concatenate(found_k),
+                MicroBatchCosts(times, memory, modes))
+
     def _reach(self, ends: np.ndarray, cap: int) -> np.ndarray:
         """Per end position, the most samples (<= cap) a segment ending there may hold."""
         lightest = (self.ctx.config.recompute_modes[-1],)
@@ -511,35 +551,6 @@ class SegmentTable:
             e = ends[active]
             fits = self.ctx.cost(mid, self._enc_max(e - mid, e), self._dec_max(e - mid, e),
                                  lightest).mode >= 0
-            lo[active] = np.where(fits, mid, lo[active])
-            hi[active] = np.where(fits, hi[active], mid - 1)
-            active = active[lo[active] < hi[active]]
-        return lo
-
-
-    def _reach_time(self, ends: np.ndarray, top: np.ndarray, bound: float) -> np.ndarray:
-        """Per end position, the most samples (<= top) a segment ending there may hold with
-        its time (cheapest mode that fits; inf when none fits) at most `bound`. Gallops up
-        from one sample, then bisects: the answer is small when the bound is tight."""
-        lo = np.zeros_like(top)
-        hi = top.copy()
-        step = np.ones_like(top)
-        active = np.flatnonzero(lo < hi)
-        while active.size:
-            probe = np.minimum(lo[active] + step[active], hi[active])
-            e = ends[active]
-            fits = self.ctx.cost(probe, self._enc_max(e - probe, e),
-                                 self._dec_max(e - probe, e)).time_ms <= bound
-            lo[active] = np.where(fits, probe, lo[active])
-            hi[active] = np.where(fits, hi[active], probe - 1)
-            step[active] *= 2
-            active = active[fits & (lo[active] < hi[active])]
-        active = np.flatnonzero(lo < hi)
-        while active.size:
-            mid = (lo[active] + hi[active] + 1) // 2
-            e = ends[active]
-            fits = self.ctx.cost(mid, self._enc_max(e - mid, e),
-                                 self._dec_max(e - mid, e)).time_ms <= bound
             lo[active] = np.where(fits, mid, lo[active])
             hi[active] = np.where(fits, hi[active], mid - 1)
             active = active[lo[active] < hi[active]]
