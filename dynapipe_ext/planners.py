@@ -6,7 +6,8 @@ answers selected by name -- padding, token-budget, packing and dynamic (DynaPipe
 Every micro-batch carries its predicted time and memory from the cost model, its recompute mode
 (the cheapest allowed one that fits memory, see cost_model.memory_needed) and a padded shape
 rounded up to `round_to` (packed rows are exactly `max_seq_len` long). Micro-batches are then
-split over data-parallel replicas by balanced partitioning (replica_split)."""
+split over data-parallel replicas so the slowest replica's predicted makespan is as small as
+possible (replica_split)."""
 from __future__ import annotations
 
 import inspect
@@ -619,10 +620,12 @@ def plan_micro_batches(lengths, config: PlannerConfig, cost_model: CostModel,
     mbs = STRATEGIES[strategy](ctx)
     mbs = _enough_for_replicas(ctx, mbs)
     times = [mb.time_ms for mb in mbs]
-    parts = balanced_partition(times, config.data_parallel)
+    parts = balanced_partition(times, config.data_parallel, config.pipeline_stages)
     replicas = tuple(tuple(mbs[i] for i in p) for p in parts)
-    predicted = max(replica_makespans(times, parts, config.pipeline_stages))
+    spans = replica_makespans(times, parts, config.pipeline_stages)
+    predicted = max(spans)
     info = dict(ctx.info, truncated=truncated, memory_limit_bytes=ctx.memory_limit,
+                replica_imbalance=predicted / float(np.mean(spans)) if predicted > 0 else 1.0,
                 num_micro_batches=len(mbs),
                 recompute={m: sum(mb.recompute == m for mb in mbs) for m in RECOMPUTE_MODES})
     return BatchPlan(strategy, replicas, predicted, info)
