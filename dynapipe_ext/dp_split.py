@@ -133,7 +133,7 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
                 if np.isfinite(g):
                     ends, times = _trace(seg_time, back[col])
                     split = Split(ends, times, makespan_objective(times, num_stages, dp_degree))
-                    if best is None or split.objective < best.objective:
+                    if split.objective < (upper_bound if best is None else best.objective):
                         best = split
                     top = int(np.searchsorted(values, max(times)))
                     pending.append((start, top, g))   # bounds below this split's max
