@@ -236,18 +236,25 @@ def refine_groups(enc: np.ndarray, dec: np.ndarray, groups: list[np.ndarray], se
         gs = np.asarray(gs, dtype=np.int64)
         g_of = label[who]
         keep = rows[g_of] > 1                    # leaving a group of one costs nothing after
-        r = np.concatenate([rows[gs], np.repeat(rows[gs][None, :] + 1, n, 0).ravel(),
-                            rows[g_of][keep] - 1])
-        em = np.concatenate([e1[gs], np.maximum(e1[gs][None, :], enc[:, None]).ravel(),
+        ins_rows = np.repeat(rows[gs][None, :] + 1, n, 0)
+        ins_e = np.maximum(e1[gs][None, :], enc[:, None])
+        ins_d = np.maximum(d1[gs][None, :], dec[:, None])
+        # neighbourhood: no insertion that makes a group bigger in padded tokens than the
+        # biggest one now (such moves would rarely pay, and costing them is the slow part)
+        small = (ins_rows * (ins_e + ins_d) <= (rows * (e1 + d1)).max()).ravel()
+        r = np.concatenate([rows[gs], ins_rows.ravel()[small], rows[g_of][keep] - 1])
+        em = np.concatenate([e1[gs], ins_e.ravel()[small],
                              np.where(enc[who] < e1[g_of], e1[g_of], e2[g_of])[keep]])
-        dm = np.concatenate([d1[gs], np.maximum(d1[gs][None, :], dec[:, None]).ravel(),
+        dm = np.concatenate([d1[gs], ins_d.ravel()[small],
                              np.where(dec[who] < d1[g_of], d1[g_of], d2[g_of])[keep]])
         out = np.asarray(segment_time(r, em, dm), dtype=np.float64)
         k = len(gs)
         t[gs] = np.where(rows[gs] > 0, out[:k], 0.0)
-        ins[:, gs] = out[k:k + n * k].reshape(n, k)
+        inserted = np.full(n * k, np.inf)
+        inserted[small] = out[k:k + int(small.sum())]
+        ins[:, gs] = inserted.reshape(n, k)
         removal = np.zeros(len(who))
-        removal[keep] = out[k + n * k:]
+        removal[keep] = out[k + int(small.sum()):]
         rem[who] = removal
 
     t = np.zeros(m)

@@ -367,7 +367,10 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     by_order = ctx.info.setdefault("objective_ms_by_order", {})
     best = None
     for name, order in orders.items():
-        planned = _plan_order(ctx, name, order, None if best is None else best[2].objective)
+        incumbent = _chunked_objective(ctx, order) if best is None else best[2].objective
+        planned = _plan_order(ctx, name, order, incumbent)
+        if planned is None and best is None:     # the chunked split was not beaten
+            planned = _plan_order(ctx, name, order)
         by_order[name] = None if planned is None else planned[2].objective
         if planned is not None:
             best = planned
@@ -399,6 +402,26 @@ def _refined(ctx: PlanningContext, best):
                               _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel,
                               max_rounds=REFINE_ROUNDS)
     return _plan_order(ctx, "refined", groups_order(ctx.enc, ctx.dec, groups), split.objective)
+
+
+def _chunked_objective(ctx: PlanningContext, order: np.ndarray) -> float | None:
+    """Objective of the best split of `order` into equal runs of n/8, n/16, n/32 or n/64
+    samples (one cost call); an upper bound on the optimum that lets the first order's
+    table leave out slow segments (_plan_order). None when none of these fits memory."""
+    n = ctx.n
+    pe, pd = ctx.padded_enc(ctx.enc[order]), ctx.padded_dec(ctx.dec[order])
+    sizes = np.unique(np.clip(np.round(n / np.array([8, 16, 32, 64])), 1, n)).astype(np.int64)
+    starts = [np.arange(0, n, size) for size in sizes]
+    rows = np.concatenate([np.diff(np.append(st, n)) for st in starts])
+    seq = np.concatenate([np.maximum.reduceat(pe, st) for st in starts])
+    dec = np.concatenate([np.maximum.reduceat(pd, st) for st in starts])
+    times = ctx.cost(rows, seq, dec).time_ms
+    best = None
+    for t in np.split(times, np.cumsum([len(st) for st in starts])[:-1]):
+        if np.isfinite(t).all():
+            value = makespan_objective(t, ctx.config.pipeline_stages, ctx.config.data_parallel)
+            best = value if best is None else min(best, value)
+    return None if best is None else best * (1 + 1e-9)
 
 
 def _plan_order(ctx: PlanningContext, name: str, order: np.ndarray,
