@@ -498,6 +498,46 @@ def replica_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+HISTOGRAMS = REPO / "tests" / "data" / "length_histograms.json"
+
+
+def packing_rows() -> list[dict]:
+    """Pack counts of the histogram packers on Krell et al.'s public Wikipedia and SQuAD
+    length histograms at depths 3 and 16 (the reference SPFHP's counts are pinned in
+    tests/test_packing.py)."""
+    from dynapipe_ext.packing import pack_histogram
+    from tools.pack_histogram import load_histogram
+    rows = []
+    for name in ("wikipedia_bert_512", "squad_1_1_384"):
+        hist, max_len = load_histogram(HISTOGRAMS, name)
+        for depth in (3, 16):
+            for algorithm in ("spfhp", "spfhp-grouped", "lpfhp"):
+                t0 = time.process_time()
+                packing = pack_histogram(hist, max_len, algorithm, depth)
+                rows.append(dict(name=name, depth=depth, algorithm=algorithm,
+                                 packs=packing.packs, efficiency=packing.efficiency,
+                                 cpu_ms=1e3 * (time.process_time() - t0)))
+    return rows
+
+
+def packing_markdown(rows: list[dict]) -> str:
+    lines = ["", "### Histogram packers on the public length histograms", "",
+             "Krell et al.'s Wikipedia (BERT, 512) and SQuAD 1.1 (384) histograms "
+             "(`tests/data/length_histograms.json`). `spfhp` is the reference algorithm (one new "
+             "pack per sequence that fits nowhere); `spfhp-grouped` lets a new pack take "
+             "several sequences of the length that opened it. The `spfhp` counts equal those of "
+             "the reference code's `pack_using_spfhp`, pinned in tests/test_packing.py.", "",
+             "| histogram | depth | spfhp | spfhp-grouped | lpfhp | "
+             "efficiency spfhp / grouped / lpfhp |", "|---|---:|---:|---:|---:|---:|"]
+    by = {(r["name"], r["depth"], r["algorithm"]): r for r in rows}
+    for name, depth in dict.fromkeys((r["name"], r["depth"]) for r in rows):
+        cells = [by[name, depth, a] for a in ("spfhp", "spfhp-grouped", "lpfhp")]
+        lines.append(f"| {name} | {depth} | "
+                     + " | ".join(str(c["packs"]) for c in cells) + " | "
+                     + " / ".join(f"{c['efficiency']:.4f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few grid points only")
@@ -542,7 +582,9 @@ def main(argv=None) -> int:
     body = markdown(rows, command, when, where)
     if flan_rows:
         body += "\n" + flan_markdown(flan_rows, args.flan_samples, args.flan_seed)
-    body += "\n" + ordering_markdown(order_rows) + "\n" + replica_markdown(balance_rows)
+    pack_rows = packing_rows()
+    body += ("\n" + ordering_markdown(order_rows) + "\n" + replica_markdown(balance_rows)
+             + "\n" + packing_markdown(pack_rows))
     print(body)
     print(f"total {time.perf_counter() - t0:.0f} s")
     if not args.no_write:
@@ -550,7 +592,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(dict(command=command, date=when, machine=where,
                                                    rows=rows, flan_rows=flan_rows,
                                                    order_rows=order_rows,
-                                                   replica_rows=balance_rows),
+                                                   replica_rows=balance_rows,
+                                                   packing_rows=pack_rows),
                                               indent=1) + "\n")
     if args.schedules:
         from tools.bench_schedules import main as bench_schedules_main
