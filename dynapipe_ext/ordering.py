@@ -279,7 +279,8 @@ def refine_groups(enc: np.ndarray, dec: np.ndarray, groups: list[np.ndarray], se
             others = np.where((a[:, None] != g) & (np.arange(m)[None, :] != g), t[g], others)
         delta_sum = rem[:, None] + ins - t[a][:, None] - t[None, :]
         new_max = np.maximum(np.maximum(others, rem[:, None]), ins)
-        gain = objective - ((t.sum() + delta_sum) / dp_degree + slope * new_max)
+        bubble = slope * new_max if slope else 0.0          # no 0 * inf with one stage
+        gain = objective - ((t.sum() + delta_sum) / dp_degree + bubble)
         gain[ids, a] = -np.inf
         i, b = np.unravel_index(np.argmax(gain), gain.shape)
         if not gain[i, b] > 1e-9 * max(objective, 1.0):

@@ -490,8 +490,8 @@ class SegmentTable:
                 raise PlanningError(f"sample {int(order[j])} alone is slower than the time "
                                     f"bound {time_bound:.3f} ms (or does not fit memory)")
             raise PlanningError(ctx.explain_infeasible([(int(order[j]),)], int(pe[j]), int(pd[j])))
+        ctx.info["segment_cap"] = int(cap)
         if not np.isfinite(time_bound):
-            ctx.info["segment_cap"] = int(cap)
             end_of = np.repeat(ends, reach)
             k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
             costs = ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),

@@ -112,3 +112,17 @@ def test_bounded_segment_table_is_the_full_table_cut_at_the_bound(bound):
     expected = np.where(full <= bound, full, np.inf)
     assert np.array_equal(cut, expected[:, :cut.shape[1]])
     assert np.isinf(expected[:, cut.shape[1]:]).all()
+
+
+def test_refine_works_with_one_stage():
+    # one stage: no bubble term, the local search still lowers the sum of times
+    batch = multitask_t5_batch(5, tokens=16384)
+    ctx, _ = t5_context(batch, stages=1)
+    order = t5_order(ctx.enc, ctx.dec, "enc")
+    groups = [order[i:i + 5] for i in range(0, len(order), 5)]
+    segment_time = _segment_time_fn(ctx)
+    start = sum(segment_time(np.array([len(g)]), ctx.enc[g].max()[None],
+                             ctx.dec[g].max()[None])[0] for g in groups)
+    with np.errstate(all="raise"):
+        _, value = refine_groups(ctx.enc, ctx.dec, groups, segment_time, 1)
+    assert value < start
