@@ -87,6 +87,20 @@ def _trace(seg_time: np.ndarray, back_row: np.ndarray) -> tuple[tuple[int, ...],
     return tuple(reversed(ends)), tuple(reversed(times))
 
 
+def _largest_times(seg_time: np.ndarray, back: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """The largest segment time of each found split (rows of `back`), all traced at once."""
+    largest = np.zeros(len(back))
+    cols = np.flatnonzero(found)
+    pos = np.full(len(cols), back.shape[1] - 1)
+    while cols.size:
+        k = back[cols, pos]
+        largest[cols] = np.maximum(largest[cols], seg_time[pos - 1, k])
+        pos = pos - k - 1
+        keep = pos > 0
+        cols, pos = cols[keep], pos[keep]
+    return largest
+
+
 def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 32,
                   upper_bound: float = np.inf) -> Split | None:
     """The exact minimiser of the makespan objective over contiguous splits (module doc).
@@ -124,6 +138,7 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
             plan.append((lo, hi, g, idx))
         caps = values[np.concatenate([p[3] for p in plan])]
         sums, back = min_sum_splits(seg_time, caps)
+        largest = _largest_times(seg_time, back, np.isfinite(sums))
         pending = rest
         col = 0
         for lo, hi, g_parent, idx in plan:
@@ -131,11 +146,15 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
             for p in idx:
                 g = sums[col]
                 if np.isfinite(g):
-                    ends, times = _trace(seg_time, back[col])
-                    split = Split(ends, times, makespan_objective(times, num_stages, dp_degree))
-                    if split.objective < (upper_bound if best is None else best.objective):
-                        best = split
-                    top = int(np.searchsorted(values, max(times)))
+                    # trace (in Python) only the splits that may beat the best so far
+                    bound = upper_bound if best is None else best.objective
+                    if g / dp_degree + slope * largest[col] < bound * (1 + 1e-12):
+                        ends, times = _trace(seg_time, back[col])
+                        split = Split(ends, times,
+                                      makespan_objective(times, num_stages, dp_degree))
+                        if split.objective < bound:
+                            best = split
+                    top = int(np.searchsorted(values, largest[col]))
                     pending.append((start, top, g))   # bounds below this split's max
                 # infeasible: every bound <= values[p] is infeasible too; drop [start, p]
                 start = int(p) + 1
