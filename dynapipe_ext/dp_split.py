@@ -87,9 +87,26 @@ def _trace(seg_time: np.ndarray, back_row: np.ndarray) -> tuple[tuple[int, ...],
     return tuple(reversed(ends)), tuple(reversed(times))
 
 
-def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 32) -> Split:
+def _largest_times(seg_time: np.ndarray, back: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """The largest segment time of each found split (rows of `back`), all traced at once."""
+    largest = np.zeros(len(back))
+    cols = np.flatnonzero(found)
+    pos = np.full(len(cols), back.shape[1] - 1)
+    while cols.size:
+        k = back[cols, pos]
+        largest[cols] = np.maximum(largest[cols], seg_time[pos - 1, k])
+        pos = pos - k - 1
+        keep = pos > 0
+        cols, pos = cols[keep], pos[keep]
+    return largest
+
+
+def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 32,
+                  upper_bound: float = np.inf) -> Split | None:
     """The exact minimiser of the makespan objective over contiguous splits (module doc).
-    Raises ValueError when no split fits (some position is in no finite segment)."""
+    Raises ValueError when no split fits (some position is in no finite segment). With a
+    finite `upper_bound` (an objective already reached elsewhere), ranges that cannot beat it
+    are pruned from the start, and None is returned when no split is below it."""
     seg_time = np.asarray(seg_time, dtype=np.float64)
     if seg_time.ndim != 2:
         raise ValueError(f"seg_time must be 2-D (positions, segment lengths), got {seg_time.shape}")
@@ -104,7 +121,7 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
     # unresolved candidate index ranges [lo, hi) with a lower bound on g over them
     pending = [(0, len(values), 0.0)]
     while True:
-        bound = np.inf if best is None else best.objective
+        bound = upper_bound if best is None else min(best.objective, upper_bound)
         pending = [(lo, hi, g) for lo, hi, g in pending
                    if lo < hi and g / dp_degree + slope * values[lo] < bound]
         if not pending:
@@ -121,6 +138,7 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
             plan.append((lo, hi, g, idx))
         caps = values[np.concatenate([p[3] for p in plan])]
         sums, back = min_sum_splits(seg_time, caps)
+        largest = _largest_times(seg_time, back, np.isfinite(sums))
         pending = rest
         col = 0
         for lo, hi, g_parent, idx in plan:
@@ -128,16 +146,22 @@ def optimal_split(seg_time, num_stages: int, dp_degree: int = 1, probes: int = 3
             for p in idx:
                 g = sums[col]
                 if np.isfinite(g):
-                    ends, times = _trace(seg_time, back[col])
-                    split = Split(ends, times, makespan_objective(times, num_stages, dp_degree))
-                    if best is None or split.objective < best.objective:
-                        best = split
-                    top = int(np.searchsorted(values, max(times)))
+                    # trace (in Python) only the splits that may beat the best so far
+                    bound = upper_bound if best is None else best.objective
+                    if g / dp_degree + slope * largest[col] < bound * (1 + 1e-12):
+                        ends, times = _trace(seg_time, back[col])
+                        split = Split(ends, times,
+                                      makespan_objective(times, num_stages, dp_degree))
+                        if split.objective < bound:
+                            best = split
+                    top = int(np.searchsorted(values, largest[col]))
                     pending.append((start, top, g))   # bounds below this split's max
                 # infeasible: every bound <= values[p] is infeasible too; drop [start, p]
                 start = int(p) + 1
                 col += 1
             pending.append((start, hi, g_parent))
+    if best is None and np.isfinite(upper_bound):
+        return None
     if best is None:
         uncovered = int(np.flatnonzero(_last_finite(seg_time) == 0)[0]) \
             if (_last_finite(seg_time) == 0).any() else -1

@@ -1,5 +1,7 @@
 """Sequence packing into fixed-length rows: greedy next-fit (the Megatron-style baseline) and the
-histogram packers of Krell et al. (arXiv 2107.02027): SPFHP, LPFHP and NNLSHP.
+histogram packers of Krell et al. (arXiv 2107.02027): SPFHP, LPFHP and NNLSHP. `spfhp` gives the
+reference code's pack counts; `spfhp-grouped` lets a new pack take several sequences of the
+length that opened it, which never made more packs on the public histograms.
 
 Histogram packers work on `hist`, an int array where hist[L] is the number of sequences of
 length L (hist[0] must be 0, len(hist) - 1 <= row_len). They return *strategies*: a pack (a tuple
@@ -12,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ALGORITHMS = ("nextfit", "spfhp", "lpfhp", "nnlshp")
-HISTOGRAM_ALGORITHMS = ("spfhp", "lpfhp", "nnlshp")
+ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+HISTOGRAM_ALGORITHMS = ("spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 NNLS_MAX_STRATEGIES = 100_000   # beyond this the dense NNLS system gets too big to solve quickly
 
 
@@ -124,13 +126,15 @@ def histogram_of(lengths, row_len: int) -> np.ndarray:
 # ---------------------------------------------------------------- histogram packers
 
 def _fit_histogram(hist: np.ndarray, row_len: int, max_depth: int | None,
-                   worst_fit: bool) -> Counter:
+                   worst_fit: bool, group_new: bool = True) -> Counter:
     """Longest sequences first; each batch of equal-length sequences goes into the open pack
     group with the most (worst fit, SPFHP) or least (best fit, LPFHP) room that still fits, one
-    sequence per pack of the group; sequences that fit nowhere open new packs, as many per pack
-    as fit (so equal lengths pair up, as one-by-one worst fit does). Groups of identical packs
-    are one (count, pack) entry: O(S^2 + groups) work, independent of the number of sequences.
-    Differs from Krell et al.'s reference code only there: it opened one pack per sequence."""
+    sequence per pack of the group. Sequences that fit nowhere open new packs: one pack per
+    sequence when `group_new` is False (Krell et al.'s SPFHP exactly: packs opened for a length
+    take no more of that length), else as many per pack as fit, so equal lengths pair up as
+    one-by-one worst fit does ("spfhp-grouped", never more packs on the public histograms).
+    Groups of identical packs are one (count, pack) entry: O(S^2 + groups) work, independent of
+    the number of sequences."""
     depth_cap = max_depth if max_depth is not None else row_len
     open_by_room: list[list[list]] = [[] for _ in range(row_len + 1)]  # room -> [[count, pack]]
     done: Counter = Counter()
@@ -156,8 +160,8 @@ def _fit_histogram(hist: np.ndarray, row_len: int, max_depth: int | None,
                     room += 1
                 found = room <= top
             if not found:
-                # new packs; like one-by-one fitting, each takes as many of these as fit
-                per_pack = min(row_len // length, depth_cap)
+                # new packs: one sequence each (reference), or as many of these as fit
+                per_pack = min(row_len // length, depth_cap) if group_new else 1
                 full, rest = divmod(todo, per_pack)
                 if full:
                     add((length,) * per_pack, full, row_len - per_pack * length)
@@ -265,7 +269,8 @@ def pack_histogram(hist, row_len: int, algorithm: str = "spfhp",
     if algorithm == "nnlshp":
         found = _nnls_histogram(hist, row_len, max_depth)
     else:
-        found = _fit_histogram(hist, row_len, max_depth, worst_fit=(algorithm == "spfhp"))
+        found = _fit_histogram(hist, row_len, max_depth, worst_fit=algorithm.startswith("spfhp"),
+                               group_new=(algorithm != "spfhp"))
     strategies = tuple(sorted(((tuple(sorted(p, reverse=True)), c) for p, c in found.items()
                                if c > 0), key=lambda pc: (-sum(pc[0]), pc[0])))
     return HistogramPacking(strategies=strategies, row_len=row_len)

@@ -6,7 +6,8 @@ answers selected by name -- padding, token-budget, packing and dynamic (DynaPipe
 Every micro-batch carries its predicted time and memory from the cost model, its recompute mode
 (the cheapest allowed one that fits memory, see cost_model.memory_needed) and a padded shape
 rounded up to `round_to` (packed rows are exactly `max_seq_len` long). Micro-batches are then
-split over data-parallel replicas by balanced partitioning (replica_split)."""
+split over data-parallel replicas so the slowest replica's predicted makespan is as small as
+possible (replica_split)."""
 from __future__ import annotations
 
 import inspect
@@ -19,12 +20,14 @@ from .cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_n
 from .dp_split import makespan_objective, optimal_split
 from .microbatch import (MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch, as_lengths,
                          padding_efficiency)
-from .ordering import T5_ORDERS, enc_dec_order, length_order, t5_order
+from .ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
+                       t5_order)
 from .replica_split import balanced_partition, replica_makespans
 
 OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
-PACKING_ALGORITHMS = ("nextfit", "spfhp", "lpfhp", "nnlshp")
+REFINE_ROUNDS = 16   # T5 local-search rounds: on FLAN-like batches later ones add < 0.1%
+PACKING_ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 
 
 class PlanningError(ValueError):
@@ -44,7 +47,8 @@ class PlannerConfig:
     token_budget: padded tokens (T5: encoder + decoder) per micro-batch for token-budget;
         None = micro_batch_size-at-max-length worth of tokens.
     overlong: "error" or "truncate" for samples longer than the maximum lengths.
-    t5_order: sample order of the dynamic planner for T5 ("auto" = best of ordering.T5_ORDERS).
+    t5_order: sample order of the dynamic planner for T5 ("auto" = best of ordering.T5_ORDERS
+        and of a local-search refinement of the best, see plan_dynamic).
     dp_probes: t_max bounds the dynamic planner evaluates per DP pass (speed only).
     max_segment_samples: most samples in one dynamic micro-batch; None = as many as fit
         memory, but at most max(64, MAX_TABLE_ENTRIES // n) so the segment table stays small
@@ -343,25 +347,39 @@ def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
 def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     """DynaPipe: order samples so neighbours have similar shapes, then take the contiguous
     split minimising sum_k t_k / D + (P - 1) max_k t_k (dp_split.optimal_split), each
-    micro-batch in the cheapest recompute mode that fits memory. T5 with t5_order="auto"
-    plans both the encoder-length order and the 2-D snake order and keeps the better
-    objective: on FLAN-like data neither wins everywhere (measured within ~3% of each
-    other), and the second DP costs less than the first table build."""
+    micro-batch in the cheapest recompute mode that fits memory.
+
+    T5 with t5_order="auto" plans the clustering + TSP order of the DynaPipe paper, refines
+    its split by a local search over sample moves between micro-batches
+    (ordering.refine_groups) and plans the order that makes the refined groups contiguous,
+    then the 2-D snake and encoder-lexsort orders; the lowest DP objective wins, so the plan
+    is never worse than any of these orders (clustering + TSP included). Each later order
+    only looks for plans beating the best so far (_plan_order), which keeps them cheap.
+    info["objective_ms_by_order"] holds each order's objective (None: not better than the
+    best before it)."""
     cfg = ctx.config
     if cfg.model == "gpt":
         orders = {"length": length_order(ctx.enc)}
     else:
-        names = T5_ORDERS if cfg.t5_order == "auto" else (cfg.t5_order,)
+        # clustering + TSP first: usually the best, so its objective prunes the others' tables
+        names = T5_ORDERS[::-1] if cfg.t5_order == "auto" else (cfg.t5_order,)
         orders = {name: t5_order(ctx.enc, ctx.dec, name) for name in names}
+    by_order = ctx.info.setdefault("objective_ms_by_order", {})
     best = None
     for name, order in orders.items():
-        table = SegmentTable(ctx, order, ctx.padded_enc(ctx.enc[order]),
-                             ctx.padded_dec(ctx.dec[order]))
-        split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
-                              cfg.dp_probes)
-        ctx.info.setdefault("objective_ms_by_order", {})[name] = split.objective
-        if best is None or split.objective < best[2].objective:
-            best = (name, order, split, table)
+        incumbent = _chunked_objective(ctx, order) if best is None else best[2].objective
+        planned = _plan_order(ctx, name, order, incumbent)
+        if planned is None and best is None:     # the chunked split was not beaten
+            planned = _plan_order(ctx, name, order)
+        by_order[name] = None if planned is None else planned[2].objective
+        if planned is not None:
+            best = planned
+        if name == "cluster-tsp" and cfg.t5_order == "auto":
+            # refine now: a low incumbent makes the remaining orders' tables and DPs cheap
+            planned = _refined(ctx, best)
+            by_order["refined"] = None if planned is None else planned[2].objective
+            if planned is not None:
+                best = planned
     name, order, split, table = best
     out = []
     modes = cfg.recompute_modes
@@ -375,13 +393,85 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     return out
 
 
+def _refined(ctx: PlanningContext, best):
+    """The plan of the order that makes ordering.refine_groups' improvement of `best`'s
+    micro-batches contiguous; None when it does not beat `best`."""
+    cfg = ctx.config
+    order, split = best[1], best[2]
+    groups, _ = refine_groups(ctx.enc, ctx.dec, [order[s:e] for s, e in split.segments()],
+                              _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel,
+                              max_rounds=REFINE_ROUNDS)
+    return _plan_order(ctx, "refined", groups_order(ctx.enc, ctx.dec, groups), split.objective)
+
+
+def _chunked_objective(ctx: PlanningContext, order: np.ndarray) -> float | None:
+    """Objective of the best split of `order` into equal runs of n/8, n/16, n/32 or n/64
+    samples (one cost call); an upper bound on the optimum that lets the first order's
+    table leave out slow segments (_plan_order). None when none of these fits memory."""
+    n = ctx.n
+    pe, pd = ctx.padded_enc(ctx.enc[order]), ctx.padded_dec(ctx.dec[order])
+    sizes = np.unique(np.clip(np.round(n / np.array([8, 16, 32, 64])), 1, n)).astype(np.int64)
+    starts = [np.arange(0, n, size) for size in sizes]
+    rows = np.concatenate([np.diff(np.append(st, n)) for st in starts])
+    seq = np.concatenate([np.maximum.reduceat(pe, st) for st in starts])
+    dec = np.concatenate([np.maximum.reduceat(pd, st) for st in starts])
+    times = ctx.cost(rows, seq, dec).time_ms
+    best = None
+    for t in np.split(times, np.cumsum([len(st) for st in starts])[:-1]):
+        if np.isfinite(t).all():
+            value = makespan_objective(t, ctx.config.pipeline_stages, ctx.config.data_parallel)
+            best = value if best is None else min(best, value)
+    return None if best is None else best * (1 + 1e-9)
+
+
+def _plan_order(ctx: PlanningContext, name: str, order: np.ndarray,
+                incumbent: float | None = None):
+    """(name, order, optimal contiguous split, segment table) of one sample order; None when
+    a plan better than `incumbent` (an objective already reached) does not exist in it.
+
+    With an incumbent F, a micro-batch of time t can only be part of a better split if
+    t * (1 / D + P - 1) < F (the objective is at least t / D + (P - 1) t), so the table
+    leaves longer segments out: the DP stays exact among the splits that could win, and
+    costs far less."""
+    cfg = ctx.config
+    bound = np.inf if incumbent is None else (
+        incumbent / (1.0 / cfg.data_parallel + cfg.pipeline_stages - 1))
+    try:
+        table = SegmentTable(ctx, order, ctx.padded_enc(ctx.enc[order]),
+                             ctx.padded_dec(ctx.dec[order]), time_bound=bound)
+        split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
+                              cfg.dp_probes, np.inf if incumbent is None else incumbent)
+    except (PlanningError, ValueError):
+        if incumbent is None:
+            raise
+        return None            # some sample cannot be in any micro-batch under the bound
+    if split is None or (incumbent is not None and not split.objective < incumbent):
+        return None
+    return name, order, split, table
+
+
+def _segment_time_fn(ctx: PlanningContext):
+    """segment_time(rows, max enc, max dec) -> time ms (inf: over memory or over the segment
+    cap) for ordering.refine_groups, with the planner's padding and recompute choice."""
+    cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // ctx.n)
+
+    def segment_time(rows, enc_max, dec_max):
+        rows = np.asarray(rows)
+        t = ctx.cost(rows, ctx.padded_enc(enc_max), ctx.padded_dec(dec_max)).time_ms
+        return np.where(rows > cap, np.inf, t)
+    return segment_time
+
+
 class SegmentTable:
     """Time / recompute mode / memory of every feasible contiguous segment of the order:
     entry [j - 1, k] is the segment of order positions [j - 1 - k, j). Segments that do not
     fit memory even in the lightest mode are inf; their lengths are found per end position
-    by a vectorised binary search (memory grows with rows and lengths)."""
+    by a vectorised binary search (memory grows with rows and lengths). With a finite
+    `time_bound`, only segments at most that slow are costed and kept (`_segments_under`):
+    a much smaller table when the bound is tight."""
 
-    def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray):
+    def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray,
+                 time_bound: float = np.inf):
         self.ctx = ctx
         self.order = order
         self._enc_max = RangeMax(pe)
@@ -389,16 +479,25 @@ class SegmentTable:
         n = len(order)
         ends = np.arange(1, n + 1)
         cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // n)
-        reach = self._reach(ends, cap)
+        if np.isfinite(time_bound):
+            end_of, k, costs = self._segments_under(ends, cap, time_bound)
+            reach = np.bincount(end_of - 1, minlength=n)
+        else:
+            reach = self._reach(ends, cap)
         if (reach == 0).any():
             j = int(np.flatnonzero(reach == 0)[0])
+            if np.isfinite(time_bound):
+                raise PlanningError(f"sample {int(order[j])} alone is slower than the time "
+                                    f"bound {time_bound:.3f} ms (or does not fit memory)")
             raise PlanningError(ctx.explain_infeasible([(int(order[j]),)], int(pe[j]), int(pd[j])))
         ctx.info["segment_cap"] = int(cap)
+        if not np.isfinite(time_bound):
+            end_of = np.repeat(ends, reach)
+            k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
+            costs = ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
+                             self._dec_max(end_of - 1 - k, end_of))
         width = int(reach.max())
-        end_of = np.repeat(ends, reach)
-        k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
         start = end_of - 1 - k
-        costs = ctx.cost(k + 1, self._enc_max(start, end_of), self._dec_max(start, end_of))
         self.time = np.full((n, width), np.inf)
         self.mode = np.full((n, width), -1, dtype=np.int64)
         self.memory = np.zeros((n, width))
@@ -428,6 +527,37 @@ class SegmentTable:
     def shape(self, start: int, end: int) -> tuple[int, int]:
         return (int(self._enc_max(np.array([start]), np.array([end]))[0]),
                 int(self._dec_max(np.array([start]), np.array([end]))[0]))
+
+    def _segments_under(self, ends: np.ndarray, cap: int, bound: float):
+        """(end, k, costs) of every segment of k + 1 <= cap samples with time <= bound, by
+        widening all still-open end positions in doubling chunks of segment lengths (time
+        grows with the length of a segment, so an end closes at its first slower one)."""
+        found_end, found_k, found = [], [], []
+        active = ends
+        lo, chunk = 0, 8
+        while active.size and lo < cap:
+            hi = min(cap, lo + chunk)
+            count = np.clip(np.minimum(active, hi) - lo, 0, None)
+            end_of = np.repeat(active, count)
+            k = lo + np.arange(len(end_of)) - np.repeat(np.cumsum(count) - count, count)
+            costs = self.ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
+                                  self._dec_max(end_of - 1 - k, end_of))
+            ok = costs.time_ms <= bound
+            # keep each end's prefix of fast-enough lengths (robust to a non-monotone model)
+            bad_so_far = np.cumsum(~ok)
+            group_start = np.cumsum(count) - count
+            before = np.concatenate([[0], bad_so_far])[group_start]
+            keep = bad_so_far == np.repeat(before, count)
+            found_end.append(end_of[keep])
+            found_k.append(k[keep])
+            found.append((costs.time_ms[keep], costs.memory_bytes[keep], costs.mode[keep]))
+            kept = np.bincount(np.repeat(np.arange(len(active)), count)[keep],
+                               minlength=len(active))
+            active = active[(kept == count) & (active > hi)]
+            lo, chunk = hi, 2 * chunk
+        times, memory, modes = (np.concatenate([f[i] for f in found]) for i in range(3))
+        return (np.concatenate(found_end), np.concatenate(found_k),
+                MicroBatchCosts(times, memory, modes))
 
     def _reach(self, ends: np.ndarray, cap: int) -> np.ndarray:
         """Per end position, the most samples (<= cap) a segment ending there may hold."""
@@ -513,10 +643,12 @@ def plan_micro_batches(lengths, config: PlannerConfig, cost_model: CostModel,
     mbs = STRATEGIES[strategy](ctx)
     mbs = _enough_for_replicas(ctx, mbs)
     times = [mb.time_ms for mb in mbs]
-    parts = balanced_partition(times, config.data_parallel)
+    parts = balanced_partition(times, config.data_parallel, config.pipeline_stages)
     replicas = tuple(tuple(mbs[i] for i in p) for p in parts)
-    predicted = max(replica_makespans(times, parts, config.pipeline_stages))
+    spans = replica_makespans(times, parts, config.pipeline_stages)
+    predicted = max(spans)
     info = dict(ctx.info, truncated=truncated, memory_limit_bytes=ctx.memory_limit,
+                replica_imbalance=predicted / float(np.mean(spans)) if predicted > 0 else 1.0,
                 num_micro_batches=len(mbs),
                 recompute={m: sum(mb.recompute == m for mb in mbs) for m in RECOMPUTE_MODES})
     return BatchPlan(strategy, replicas, predicted, info)

@@ -64,6 +64,19 @@ def test_table_split_matches_brute_force(seed):
     assert split.objective == pytest.approx(makespan_objective(split.times, stages, dp))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_upper_bound_keeps_the_optimum_or_reports_none(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 15))
+    table = np.round(rng.random((n, n)) * 10, 1) + 0.1
+    table[rng.random((n, n)) < 0.3] = np.inf
+    table[:, 0] = np.where(np.isfinite(table[:, 0]), table[:, 0], 5.0)
+    best = optimal_split(table, 4, 1 + seed % 3)
+    above = optimal_split(table, 4, 1 + seed % 3, upper_bound=best.objective * 1.001)
+    assert above.objective == pytest.approx(best.objective) and above.ends == best.ends
+    assert optimal_split(table, 4, 1 + seed % 3, upper_bound=best.objective) is None
+
+
 def test_no_feasible_split_is_an_error():
     table = np.array([[1.0, np.inf], [np.inf, np.inf]])
     with pytest.raises(ValueError, match="position 1"):
@@ -126,7 +139,7 @@ def test_t5_dynamic_plan_is_brute_force_optimum(seed):
     config = PlannerConfig(model="t5", max_seq_len=512, max_dec_seq_len=128,
                            pipeline_stages=[1, 2, 4][seed % 3],
                            memory_limit_bytes=[1.5e8, 4e7][seed % 2],
-                           t5_order=["snake", "enc"][seed % 2])
+                           t5_order=["snake", "enc", "cluster-tsp"][seed % 3])
     plan = plan_micro_batches(lengths, config, cost, "dynamic")
     assert plan.info["objective_ms"] == pytest.approx(
         _planner_brute_force(lengths, config, cost), rel=1e-9)
