@@ -16,6 +16,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dynapipe_ext.packing import ALGORITHMS, count_next_fit_rows, pack_histogram  # noqa: E402
 
 
+HISTOGRAMS_ENV = "DYNAPIPE_LENGTH_HISTOGRAMS"
+
+
+def reference_histograms_path() -> Path | None:
+    """Krell et al.'s public length histograms (Wikipedia, SQuAD). Third-party data, so not in
+    the repository: $DYNAPIPE_LENGTH_HISTOGRAMS, else shared/benchmarks/length_histograms.json
+    beside the checkout; None when neither exists."""
+    import os
+    candidates = [os.environ.get(HISTOGRAMS_ENV),
+                  Path(__file__).resolve().parent.parent.parent / "shared" / "benchmarks"
+                  / "length_histograms.json"]
+    found = [Path(c) for c in candidates if c and Path(c).is_file()]
+    return found[0] if found else None
+
+
 def load_histogram(path: Path, name: str) -> tuple[np.ndarray, int]:
     """(hist indexed by length, max_len) of entry `name` in a histograms JSON file."""
     with open(path) as f:
