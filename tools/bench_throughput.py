@@ -214,7 +214,7 @@ def bench_strategy(job: dict, strategy: str, index: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron.model.segment_attention import install_segment_attention
+    from megatron.model.attention import set_packed_attention
     from megatron.training.arguments import parse_args
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
@@ -223,9 +223,11 @@ def bench_strategy(job: dict, strategy: str, index: int) -> dict:
     if strategy.split("+")[0] in ("padding", "packing"):
         micro_batch_size, tuning = tune_for(cfg, job, strategy)
     run = build_bench_run(cfg, job, micro_batch_size)
-    replaced = 0
-    if strategy.endswith("+segment-attn"):
-        replaced = sum(install_segment_attention(m) for m in run.stages.values())
+    # packing: one SDPA over the row with the block-diagonal mask (Megatron-style packing
+    # without a varlen kernel); +segment-attn: only the sample blocks are computed
+    mode = "segments" if strategy.endswith("+segment-attn") else "mask"
+    replaced = sum(set_packed_attention(m, mode) for m in run.stages.values())
+    replaced = replaced if mode == "segments" else 0
     recorder = PlanRecorder(run)
     stats = []
     total = job["warmup_iters"] + job["iters"]
