@@ -18,6 +18,9 @@ segment ids on the device). No S x S array is ever built on the host:
   - "mask": one SDPA over the whole row with the block-diagonal mask built on the device from the
     segment ids; S^2 work and memory (bool mask), what Megatron-style packing without a varlen
     kernel does, kept as the throughput bench's "packing" baseline.
+  Trade-off of the grouped fallback: work and memory follow the samples, at the price of one
+  gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
+  length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
 
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
@@ -168,7 +171,7 @@ def flex_block_mask(mask: AttentionMask, causal: bool, device):
         return (seen & (q_idx >= kv_idx)) if causal else seen
 
     return create_block_mask(document, B=q_ids.shape[0], H=None, Q_LEN=q_ids.shape[1],
-                             KV_LEN=k_ids.shape[1], device=device)
+                             KV_LEN=k_ids.shape[1], device=device, _compile=True)
 
 
 class SDPAttention(DotProductAttention):
@@ -200,7 +203,7 @@ class SDPAttention(DotProductAttention):
             out = self._padded(q, k, v, attention_mask, causal)
         elif self.packed_attention == "mask":
             out = self._sdpa(q, k, v, attention_mask.dense(causal), False)
-        elif _flex_available(q.device):
+        elif _flex_available(q.device) and not self._dropout_p():
             out = self._flex(q, k, v, attention_mask, causal)
         else:
             out = self._by_length(query, key, value, attention_mask, causal)
@@ -215,9 +218,12 @@ class SDPAttention(DotProductAttention):
         coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
         return self.softmax_scale * coeff
 
+    def _dropout_p(self) -> float:
+        return self.attention_dropout.p if self.training else 0.0
+
     def _dropout_rng(self):
         """Attention dropout draws from megatron's model-parallel RNG, as the local path does."""
-        if self.training and self.attention_dropout.p > 0 and not self.config.sequence_parallel:
+        if self._dropout_p() > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
 
@@ -225,8 +231,7 @@ class SDPAttention(DotProductAttention):
         """[b, heads, sq, dim] output; `allowed` broadcastable bool, True = may attend."""
         with self._dropout_rng():
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, is_causal=causal,
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                q, k, v, attn_mask=allowed, is_causal=causal, dropout_p=self._dropout_p(),
                 scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def _padded(self, q, k, v, mask: AttentionMask, causal: bool):
@@ -238,6 +243,7 @@ class SDPAttention(DotProductAttention):
         return self._sdpa(q, k, v, allowed, False)
 
     def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
+        """One document-masked FlexAttention call (CUDA; it has no dropout, so only without)."""
         key = ("flex", causal, q.device)
         if key not in mask.cache:
             mask.cache[key] = flex_block_mask(mask, causal, q.device)
