@@ -210,7 +210,11 @@ class PipelineRuntime:
             self._fail(instr, f"plan says shapes {instr.shapes}, tensors have {shapes}")
         op = dist.isend if send else dist.irecv
         peer, group = self._route(instr.peer, send)
-        works = [op(t, peer, group=group) for t in tensors]
+        try:
+            works = [op(t, peer, group=group) for t in tensors]
+        except RuntimeError as err:     # gloo fails at once when the peer is already gone
+            self._fail(instr, f"transfer with pipeline rank {instr.peer} could not start: {err}",
+                       TransferError)
         self.live_buffers.add(instr.buffer)
         self.pending[instr.buffer] = (instr, works, tensors)
 
