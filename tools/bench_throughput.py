@@ -582,11 +582,11 @@ def report_markdown(result: dict, plots: dict) -> str:
         "every strategy; schedule 'auto' (faster of 1F1B and adaptive per iteration); recompute "
         "per micro-batch (cheapest that fits). Padding and packing use their best rows per "
         "micro-batch (power of two, least predicted time); packing is next-fit into rows of "
-        "the max length with a block-diagonal mask; packing+segment-attn is the same packing "
-        "with megatron/model/segment_attention.py (attention computed per packed segment, so "
-        "no masked-out block is computed). On CPU, torch 2.13 FlexAttention has no backward and "
-        "nested-tensor SDPA finds no backend (checked), so per-segment SDPA is the varlen "
-        "baseline here.",
+        "the max length, attention one SDPA call with the block-diagonal mask built on the "
+        "device (megatron/model/attention.py mode 'mask'); packing+segment-attn is the same "
+        "packing with only the samples' blocks computed (mode 'segments': FlexAttention on "
+        "CUDA; on CPU, where torch 2.13 FlexAttention has no backward and nested-tensor SDPA "
+        "finds no backend, segments grouped by length, one SDPA call per length).",
         "Columns: tokens/s = sample tokens (no pads) / wall time of the timed iterations; "
         "pad eff = real / padded tokens (T5 encoder/decoder); micro-batches, plan ms (planner "
         "worker time per iteration), plan wait ms (time train_step waited for its plan), "
