@@ -204,3 +204,32 @@ def test_transformer_engine_layers_train(world):
     losses, grads, count = loss_and_grads(spec, batch)
     assert count == 2 and torch.isfinite(losses).all()
     assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_bench_tool_times_both_builders_and_the_new_one_is_compact():
+    from pathlib import Path
+
+    from tools.bench_attention import bench_tensors
+    path = Path(__file__).resolve().parents[1] / "megatron" / "model" / "batch_tensors.py"
+    rows = bench_tensors(str(path), repeats=1)
+    assert [r["case"] for r in rows][:2] == ["GPT 4x2048", "GPT 1x8192"]
+    for r in rows:
+        assert r["before_ms"] > 0 and r["after_ms"] > 0
+        assert r["after_bytes"] < 1 << 20          # O(rows x S): under 1 MiB at 8192
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fusions are on with CUDA only")
+def test_fused_stage_on_cuda_matches_unfused(world):
+    spec = ModelSpec("gpt", 2, 32, 4, 64, max_position_embeddings=64)
+    samples = random_samples("gpt", 3, seed=2)
+    batch = build_micro_batch(MicroBatch(rows=((0, 1), (2,)), seq_len=30), samples, "gpt", 0)
+    batch = {k: v.to("cuda") for k, v in batch.items()}
+    losses = []
+    for fused in (False, True):
+        config = build_transformer_config(spec, fused=fused)
+        assert config.bias_activation_fusion is fused and config.bias_dropout_fusion is fused
+        stages = build_rank_stages(spec, (0,), 0, config, device="cuda")
+        initialize_stage_weights(stages, 9)
+        losses.append(run_stage_forward(stages[0], (), batch).detach())
+    # the fused GELU is the tanh approximation (as Megatron-LM trains), the unfused one erf
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)

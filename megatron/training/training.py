@@ -150,7 +150,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
                  stage_to_rank: tuple[int, ...]):
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
     config = build_transformer_config(spec, cfg.tensor_model_parallel_size,
-                                      cfg.pipeline_model_parallel_size, model_dtype(cfg))
+                                      cfg.pipeline_model_parallel_size, model_dtype(cfg),
+                                      fused=layout.device.type == "cuda")
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config)
     initialize_stage_weights(stages, cfg.seed)
     return {s: m.to(layout.device) for s, m in stages.items()}
