@@ -202,7 +202,9 @@ class SDPAttention(DotProductAttention):
         elif not (attention_mask.q.packed or attention_mask.k.packed):
             out = self._padded(q, k, v, attention_mask, causal)
         elif self.packed_attention == "mask":
-            out = self._sdpa(q, k, v, attention_mask.dense(causal), False)
+            if ("dense", causal) not in attention_mask.cache:    # built once per micro-batch
+                attention_mask.cache[("dense", causal)] = attention_mask.dense(causal)
+            out = self._sdpa(q, k, v, attention_mask.cache[("dense", causal)], False)
         elif _flex_available(q.device) and not self._dropout_p():
             out = self._flex(q, k, v, attention_mask, causal)
         else:
