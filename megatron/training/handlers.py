@@ -98,7 +98,8 @@ class PipelineRuntime:
         self.batch_provider = batch_provider
         self.global_loss_tokens = int(global_loss_tokens)
         self.batches: dict[int, Mapping[str, torch.Tensor]] = {}
-        self.prefetched = {mb: self._builder.submit(self._host_batch, mb) for mb in order}
+        self.prefetched = {mb: self._builder.submit(self._host_batch, mb, batch_provider)
+                           for mb in order}
         self.inputs: dict[tuple[int, int], tuple] = {}
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.input_grads: dict[tuple[int, int], tuple] = {}
@@ -120,9 +121,9 @@ class PipelineRuntime:
             self._fail(instr, f"this rank holds stages {sorted(self.stages)}, not {instr.stage}")
         return self.stages[instr.stage]
 
-    def _host_batch(self, mb: int) -> dict:
+    def _host_batch(self, mb: int, provider: BatchProvider) -> dict:
         """Micro-batch mb's tensors on the host, only this rank's keys (pinned for CUDA)."""
-        batch = self.batch_provider(mb)
+        batch = provider(mb)
         missing = [k for k in self.batch_keys if k not in batch]
         if missing:
             raise KeyError(f"rank {self.rank}: micro-batch {mb} lacks {missing}")
@@ -132,7 +133,8 @@ class PipelineRuntime:
     def _batch(self, mb: int) -> Mapping[str, torch.Tensor]:
         if mb not in self.batches:
             future = self.prefetched.pop(mb, None)
-            host = future.result() if future is not None else self._host_batch(mb)
+            host = future.result() if future is not None \
+                else self._host_batch(mb, self.batch_provider)
             self.batches[mb] = {k: v.to(self.device, non_blocking=True)
                                 for k, v in host.items()}
         return self.batches[mb]
