@@ -12,14 +12,15 @@ them by default; we choose not to, which changes nothing but the parameter count
 
 Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by the previous
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
-tensors of batch_tensors.build_micro_batch (only the keys of `batch_keys`). It returns the tuple for the next stage
-(GPT / encoder: (hidden,); after the decoder starts: (encoder output, decoder hidden)) or, on the
-HEAD stage, the per-token losses [rows, seq].
+tensors of batch_tensors.build_micro_batch (at least the keys of `batch_keys`). It returns the
+tuple for the next stage (GPT / encoder: (hidden,); after the decoder starts: (encoder output,
+decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq].
 
 Core attention is attention.SDPAttention in every layer spec (torch's fused attention kernels fed
 by the micro-batch's Segments, never a dense mask); megatron-core's bias-GELU and
-bias-dropout-add fusions are on where CUDA is (build_transformer_config says why not on CPU). With TransformerEngine importable the
-layers use its specs (fused LayerNorm-linear), still with SDPAttention as core attention.
+bias-dropout-add fusions are on with CUDA (build_transformer_config says why not on CPU). With
+TransformerEngine importable the layers use its specs (fused LayerNorm-linear), still with
+SDPAttention as core attention.
 """
 from __future__ import annotations
 
