@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 16, 64
+# the last builder with dense masks, for --baseline-builder
+OLD_BUILDER = "git show 5844704:megatron/model/batch_tensors.py > /tmp/old_batch_tensors.py"
 
 
 def load_builder(path: str | None):
@@ -160,7 +162,8 @@ def markdown(tensor_rows, attention_rows, command: str) -> str:
     lines = [f"Command: `{command}`  ", f"Date: {when}  ", f"Machine: {machine()}", "",
              "Micro-batch tensors (build_micro_batch, every key, median ms; before = the "
              "builder that made [rows, 1, S, S] numpy masks, after = tokens, positions, "
-             "labels, loss mask and Segments, all O(rows x S)):", "",
+             f"labels, loss mask and Segments, all O(rows x S); the old builder: "
+             f"`{OLD_BUILDER}`):", "",
              "| micro-batch | before ms | after ms | before MiB | after MiB |",
              "|---|---:|---:|---:|---:|"]
     for r in tensor_rows:
@@ -174,6 +177,10 @@ def markdown(tensor_rows, attention_rows, command: str) -> str:
     for r in attention_rows:
         lines.append(f"| {r['seq_len']} | {r['attention']} | {r['fwd_bwd_ms']:.0f} | "
                      f"{r['kept_mib']:.1f} |")
+    lines += ["", "Before/after rows come from one invocation, so their ratio holds even when the "
+              "machine is shared (its load average is in the machine line). Kept MiB: the local "
+              "path keeps the [heads, S, S] softmax output, SDPAttention only q, k, v, the output "
+              "and a logsumexp, so its memory grows with S, not S^2."]
     return "\n".join(lines)
 
 
