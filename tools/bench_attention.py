@@ -194,8 +194,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     tensor_rows = bench_tensors(args.baseline_builder, args.repeats)
     attention_rows = bench_attention(args.lengths, max(1, args.repeats // 2))
-    command = "python tools/bench_attention.py " + " ".join(argv if argv is not None
-                                                           else sys.argv[1:])
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python tools/bench_attention.py " + " ".join(a for a in given
+                                                           if a != "--write-doc")
     body = markdown(tensor_rows, attention_rows, command.strip())
     print(body)
     if args.write_doc:
