@@ -1,6 +1,5 @@
-"""Throughput benchmark: per-segment attention computes what the dense masked attention computes,
-and the harness runs real training iterations whose counted tokens are those of the samples
-it consumed."""
+"""Throughput benchmark: the harness runs real training iterations whose counted tokens are those
+of the samples it consumed (the attention modes it compares are tested in test_attention.py)."""
 import json
 import sys
 from pathlib import Path
@@ -9,116 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import ModelSpec
-from megatron.model.batch_tensors import build_micro_batch, segment_mask
-from megatron.model.init_weights import initialize_stage_weights
-from megatron.model.segment_attention import (CAUSAL, FULL, MASKED, SELF, SegmentAttention,
-                                              install_segment_attention, mask_blocks,
-                                              segment_attention_spec)
-from megatron.model.stages import build_rank_stages, build_transformer_config
-from multiproc import single_process_world
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 torch.set_num_threads(1)
-
-
-def segments_of(lengths, total):
-    """Per position: 1-based segment number, 0 for pad."""
-    seg = np.zeros(total, dtype=np.int64)
-    start = 0
-    for i, n in enumerate(lengths, start=1):
-        seg[start:start + n] = i
-        start += n
-    return seg
-
-
-# ------------------------------------------------------------------ blocks read off masks
-
-def test_causal_packed_row_gives_one_causal_block_per_sample_and_pads_see_themselves():
-    lengths, total = [5, 3, 4], 15
-    seg = segments_of(lengths, total)
-    blocks = mask_blocks(segment_mask(seg, seg, causal=True))
-    starts = np.cumsum([0] + lengths)
-    expected = [(int(a), int(b), int(a), int(b), CAUSAL) for a, b in zip(starts, starts[1:])]
-    assert [(b.q0, b.q1, b.k0, b.k1, b.kind) for b in blocks[:3]] == expected
-    assert [(b.q0, b.q1, b.k0, b.k1, b.kind) for b in blocks[3:]] == [(12, 15, 12, 15, SELF)]
-
-
-def test_bidirectional_and_cross_masks_give_full_blocks():
-    enc, dec = segments_of([4, 6], 12), segments_of([2, 3], 6)
-    enc_blocks = mask_blocks(segment_mask(enc, enc, causal=False))
-    assert [(b.q0, b.q1, b.kind) for b in enc_blocks] == [(0, 4, FULL), (4, 10, FULL),
-                                                         (10, 12, SELF)]
-    cross = mask_blocks(segment_mask(dec, enc, causal=False))
-    assert [(b.q0, b.q1, b.k0, b.k1) for b in cross[:2]] == [(0, 2, 0, 4), (2, 5, 4, 10)]
-    # the pad query sees key 0 only
-    assert (cross[2].q0, cross[2].q1, cross[2].k0, cross[2].k1) == (5, 6, 0, 1)
-
-
-def test_non_block_mask_falls_back_to_one_dense_block():
-    mask = np.zeros((6, 6), dtype=bool)
-    mask[2, 1] = True                        # query 2 sees keys 0 and 2.. but not 1
-    assert [b.kind for b in mask_blocks(mask)] == [MASKED]
-
-
-# ------------------------------------------------------------------ numerics vs dense attention
-
-@pytest.fixture(scope="module")
-def world():
-    with single_process_world(seed=3):
-        yield
-
-
-def random_samples(model, n, seed):
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in range(n):
-        le, ld = int(rng.integers(2, 15)), int(rng.integers(1, 9))
-        if model == "gpt":
-            out[i] = (rng.integers(1, 90, le), rng.integers(1, 90, le), np.ones(le, np.float32))
-        else:
-            out[i] = (rng.integers(1, 90, le), rng.integers(1, 90, ld), rng.integers(1, 90, ld),
-                      np.ones(ld, np.float32))
-    return out
-
-
-def loss_and_grads(spec, batch, segment: bool):
-    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec))
-    initialize_stage_weights(stages, 9)
-    replaced = install_segment_attention(stages[0]) if segment else 0
-    losses = stages[0]((), batch)
-    (losses * batch["loss_mask"]).sum().backward()
-    return losses.detach(), {n: p.grad.clone() for n, p in stages[0].named_parameters()}, replaced
-
-
-@pytest.mark.parametrize("model", ["gpt", "t5"])
-def test_segment_attention_matches_dense_masked_attention(world, model):
-    spec = ModelSpec(model, 2, 64, 4, 96, num_decoder_layers=2 if model == "t5" else 0,
-                     max_position_embeddings=64)
-    samples = random_samples(model, 7, seed=1)
-    mb = MicroBatch(rows=((0, 1, 2), (3, 4), (5, 6)), seq_len=40,
-                    dec_seq_len=24 if model == "t5" else 0)
-    batch = build_micro_batch(mb, samples, model, 0)
-    dense, dense_grads, _ = loss_and_grads(spec, batch, segment=False)
-    seg, seg_grads, replaced = loss_and_grads(spec, batch, segment=True)
-    # GPT: one self-attention per layer; T5: encoder self, decoder self + cross
-    assert replaced == (2 if model == "gpt" else 2 + 2 * 2)
-    torch.testing.assert_close(seg, dense, rtol=1e-5, atol=1e-5)
-    for name, grad in dense_grads.items():
-        torch.testing.assert_close(seg_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_segment_attention_spec_swaps_core_attention_only():
-    from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    base = decoder_model_with_local_spec()
-    spec = segment_attention_spec(base)
-    assert spec.submodules.self_attention.submodules.core_attention is SegmentAttention
-    assert spec.submodules.cross_attention.submodules.core_attention is SegmentAttention
-    assert base.submodules.self_attention.submodules.core_attention is DotProductAttention
 
 
 # ------------------------------------------------------------------ the harness

@@ -408,3 +408,97 @@ def test_plot_schedule_tool_writes_a_png_and_a_trace_of_the_simulated_plan(tmp_p
                                "3", "--emulate", "--time-scale", "0.001",
                                "--out-png", str(png2)]) == 0
     assert png2.stat().st_size > 1000
+
+
+# ---- the Megatron runtime behind the handlers: no host stalls, only the tensors it needs ----
+
+def _runtime_case(model, num_stages, pp_rank=0):
+    """Stages of `pp_rank` for a 2-micro-batch plan in one process, and the plan's pieces."""
+    import torch
+
+    from dynapipe_ext.microbatch import MicroBatch
+    from dynapipe_ext.model_spec import ModelSpec
+    from dynapipe_ext.schedules import one_f_one_b as schedule_1f1b
+    from megatron.model.init_weights import initialize_stage_weights
+    from megatron.model.stages import build_rank_stages, build_transformer_config
+    torch.set_num_threads(1)
+    spec = ModelSpec(model, 2, 32, 4, 64, num_decoder_layers=2 if model == "t5" else 0,
+                     max_position_embeddings=64)
+    rng = np.random.default_rng(3)
+    samples = {}
+    for i in range(5):
+        n = int(rng.integers(3, 12))
+        samples[i] = ((rng.integers(1, 60, n), rng.integers(1, 60, n), np.ones(n, np.float32))
+                      if model == "gpt" else
+                      (rng.integers(1, 60, n), rng.integers(1, 60, 4), rng.integers(1, 60, 4),
+                       np.ones(4, np.float32)))
+    mbs = [MicroBatch(rows=((0,), (1,)), seq_len=12, dec_seq_len=4 if model == "t5" else 0),
+           MicroBatch(rows=((2, 3), (4,)), seq_len=24, dec_seq_len=8 if model == "t5" else 0)]
+    schedule = schedule_1f1b(len(mbs), 1)
+    stages = build_rank_stages(spec, tuple(range(num_stages)) if num_stages > 1 else (0,),
+                               pp_rank, build_transformer_config(spec))
+    initialize_stage_weights(stages, 4)
+    return spec, samples, mbs, schedule, stages
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from multiproc import single_process_world
+    with single_process_world(seed=9):
+        yield
+
+
+def test_head_stage_runs_without_device_syncs_and_builds_batches_ahead(megatron_world,
+                                                                       monkeypatch):
+    import torch
+
+    from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
+    from megatron.training.handlers import global_mean_loss, make_handlers, micro_batch_order
+    spec, samples, mbs, schedule, stages = _runtime_case("gpt", 1)
+    plan = lower(schedule, mbs, spec)[0]
+    built = []
+
+    def provider(mb):
+        built.append((mb, threading.current_thread() is threading.main_thread()))
+        return build_micro_batch(mbs[mb], samples, "gpt", 0)
+
+    tokens = count_loss_tokens(samples, list(samples))
+    table = make_handlers(stages, provider, global_loss_tokens=tokens)
+    syncs = []
+    for name in ("item", "cpu", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            syncs.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    table.runtime.reset(provider, tokens, micro_batch_order(plan))
+    Executor(table).run(plan)
+    table.runtime.check_drained()
+    assert syncs == [], syncs                # the head stage never waits for the device
+    monkeypatch.undo()
+    assert isinstance(table.runtime.loss_sum, torch.Tensor)
+    # built once each, in plan order, on the background thread
+    assert built == [(0, False), (1, False)]
+    loss, counted_tokens = global_mean_loss(table.runtime)
+    assert counted_tokens == tokens and np.isfinite(loss)
+    table.runtime.close()
+
+
+@pytest.mark.parametrize("model,pp_rank,expected", [
+    ("gpt", 0, ("tokens", "position_ids", "segments")),
+    ("gpt", 1, ("segments", "labels", "loss_mask")),
+    ("t5", 0, ("enc_tokens", "enc_position_ids", "enc_segments")),
+    ("t5", 1, ("dec_tokens", "dec_position_ids", "enc_segments", "dec_segments", "labels",
+               "loss_mask")),
+])
+def test_each_rank_gets_only_the_tensors_its_stages_read(megatron_world, model, pp_rank,
+                                                         expected):
+    from megatron.model.batch_tensors import build_micro_batch
+    from megatron.training.handlers import PipelineRuntime
+    _, samples, mbs, _, stages = _runtime_case(model, 2, pp_rank)
+    runtime = PipelineRuntime(stages, lambda mb: build_micro_batch(mbs[mb], samples, model, 0))
+    assert runtime.batch_keys == expected
+    runtime.reset(runtime.batch_provider, 1, [0])
+    assert tuple(runtime._batch(0)) == expected
+    runtime.close()

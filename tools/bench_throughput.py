@@ -214,7 +214,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron.model.segment_attention import install_segment_attention
+    from megatron.model.attention import set_packed_attention
     from megatron.training.arguments import parse_args
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
@@ -222,9 +222,11 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     if strategy.split("+")[0] in ("padding", "packing"):
         micro_batch_size, tuning = tune_for(cfg, job, strategy)
     run = build_bench_run(cfg, job, micro_batch_size)
-    replaced = 0
-    if strategy.endswith("+segment-attn"):
-        replaced = sum(install_segment_attention(m) for m in run.stages.values())
+    # packing: one SDPA over the row with the block-diagonal mask (Megatron-style packing
+    # without a varlen kernel); +segment-attn: only the sample blocks are computed
+    mode = "segments" if strategy.endswith("+segment-attn") else "mask"
+    replaced = sum(set_packed_attention(m, mode) for m in run.stages.values())
+    replaced = replaced if mode == "segments" else 0
     recorder = PlanRecorder(run)
     stats = []
     total = job["warmup_iters"] + job["iters"]
@@ -579,11 +581,11 @@ def report_markdown(result: dict, plots: dict) -> str:
         "every strategy; schedule 'auto' (faster of 1F1B and adaptive per iteration); recompute "
         "per micro-batch (cheapest that fits). Padding and packing use their best rows per "
         "micro-batch (power of two, least predicted time); packing is next-fit into rows of "
-        "the max length with a block-diagonal mask; packing+segment-attn is the same packing "
-        "with megatron/model/segment_attention.py (attention computed per packed segment, so "
-        "no masked-out block is computed). On CPU, torch 2.13 FlexAttention has no backward and "
-        "nested-tensor SDPA finds no backend (checked), so per-segment SDPA is the varlen "
-        "baseline here.",
+        "the max length, attention one SDPA call with the block-diagonal mask built on the "
+        "device (megatron/model/attention.py mode 'mask'); packing+segment-attn is the same "
+        "packing with only the samples' blocks computed (mode 'segments': FlexAttention on "
+        "CUDA; on CPU, where torch 2.13 FlexAttention has no backward and nested-tensor SDPA "
+        "finds no backend, segments grouped by length, one SDPA call per length).",
         "Columns: tokens/s = sample tokens (no pads) / wall time of the timed iterations; "
         "pad eff = real / padded tokens (T5 encoder/decoder); micro-batches, plan ms (planner "
         "worker time per iteration), plan wait ms (time train_step waited for its plan), "

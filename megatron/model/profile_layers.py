@@ -4,9 +4,8 @@ to build the profiles that dynapipe_ext.cost_profile reads.
 
 Every layer module follows the stage contract of megatron/model/stages.py (`module(inputs,
 batch)`, `.config`), so it runs through the same `run_stage_forward` as training and gets the
-same recomputation: megatron-core's own recompute on GPU; on CPU, where megatron-core's
-checkpoint needs the CUDA RNG, torch.utils.checkpoint over the layer ('full') or over each core
-attention ('selective').
+same layer specs (SDPAttention core attention, fusions) and the same recomputation
+(torch.utils.checkpoint over the layer ('full') or over each core attention ('selective')).
 
 Kept bytes are counted exactly with torch.autograd.graph.saved_tensors_hooks: the unique
 storages of saved tensors, parameters excluded. Peak bytes: on GPU torch.cuda's peak allocated
@@ -25,11 +24,6 @@ import torch
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.T5.t5_spec import (
-    decoder_model_with_local_spec,
-    encoder_model_with_local_spec,
-)
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
@@ -47,15 +41,16 @@ from dynapipe_ext.model_spec import (
     HEAD,
     ModelSpec,
 )
-from megatron.model.stages import OutputHead, run_stage_forward
+from megatron.model.attention import AttentionMask, Segments
+from megatron.model.stages import OutputHead, layer_spec, run_stage_forward
 
 
 # ------------------------------------------------------------------ layer modules
 
-def _one_layer_block(config: TransformerConfig, layer_spec) -> TransformerBlock:
+def _one_layer_block(config: TransformerConfig, one_layer) -> TransformerBlock:
     """A block of one transformer layer without final norm: megatron-core's full recompute lives
     in the block, so a bare TransformerLayer would ignore it."""
-    spec = TransformerBlockSubmodules(layer_specs=[layer_spec], layer_norm=None)
+    spec = TransformerBlockSubmodules(layer_specs=[one_layer], layer_norm=None)
     return TransformerBlock(config, spec, post_layer_norm=False, pre_process=True,
                             post_process=False)
 
@@ -70,12 +65,8 @@ class ProfiledLayer(torch.nn.Module):
         if kind in (EMBEDDING, DEC_EMBEDDING):
             self.body = LanguageModelEmbedding(config, spec.vocab_size,
                                                spec.max_position_embeddings)
-        elif kind == GPT_LAYER:
-            self.body = _one_layer_block(config, get_gpt_layer_local_spec())
-        elif kind == ENC_LAYER:
-            self.body = _one_layer_block(config, encoder_model_with_local_spec())
-        elif kind == DEC_LAYER:
-            self.body = _one_layer_block(config, decoder_model_with_local_spec())
+        elif kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
+            self.body = _one_layer_block(config, layer_spec(kind))
         elif kind == ENC_NORM:
             self.body = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                                            dtype=config.params_dtype)
@@ -95,11 +86,12 @@ class ProfiledLayer(torch.nn.Module):
         if kind == DEC_EMBEDDING:
             return inputs + (self.body(batch["dec_tokens"], batch["dec_position_ids"]),)
         if kind in (GPT_LAYER, ENC_LAYER):
-            return (self.body(inputs[0], batch["attention_mask"]),)
+            return (self.body(inputs[0], AttentionMask.of(batch["segments"])),)
         if kind == DEC_LAYER:
             enc, dec = inputs
-            return (enc, self.body(dec, batch["dec_mask"], context=enc,
-                                   context_mask=batch["cross_mask"]))
+            return (enc, self.body(dec, AttentionMask.of(batch["dec_segments"]), context=enc,
+                                   context_mask=AttentionMask.of(batch["dec_segments"],
+                                                                 batch["enc_segments"])))
         if kind == ENC_NORM:
             return (self.body(inputs[0]),)
         return self.body(inputs[-1], batch["labels"])
@@ -114,7 +106,7 @@ def parameter_bytes(module: torch.nn.Module) -> tuple[int, int]:
 @dataclass(frozen=True)
 class LayerInputs:
     """Inputs of one measurement: `inputs` from the previous layer, the micro-batch tensors,
-    and the storages counted as shared (masks, encoder output) rather than per layer."""
+    and the storages counted as shared (segment ids, encoder output) rather than per layer."""
 
     inputs: tuple
     batch: dict
@@ -124,17 +116,13 @@ class LayerInputs:
 def make_inputs(kind: str, spec: ModelSpec, rows: int, seq_len: int, dec_seq_len: int,
                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> LayerInputs:
     """Random inputs of the given shape ([seq, rows, hidden] hidden states that need grad, full
-    rows, causal masks for GPT and the T5 decoder, bool masks True = masked out)."""
+    rows: Segments of one sample per row, so GPT and the T5 decoder attend causally)."""
     gen = torch.Generator().manual_seed(seed)
     h, vocab = spec.hidden_size, spec.vocab_size
 
     def hidden(length: int) -> torch.Tensor:
         return (torch.randn(length, rows, h, generator=gen) * 0.5).to(device, dtype) \
             .requires_grad_(True)
-
-    def causal(length: int) -> torch.Tensor:
-        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
-        return mask.expand(rows, 1, length, length).contiguous().to(device)
 
     def tokens(length: int) -> torch.Tensor:
         return torch.randint(0, vocab, (rows, length), generator=gen).to(device)
@@ -149,10 +137,8 @@ def make_inputs(kind: str, spec: ModelSpec, rows: int, seq_len: int, dec_seq_len
         batch.update(tokens=tokens(seq_len), position_ids=positions(seq_len))
         return LayerInputs((), batch, ())
     if kind in (GPT_LAYER, ENC_LAYER):
-        mask = causal(seq_len) if kind == GPT_LAYER else torch.zeros(
-            rows, 1, seq_len, seq_len, dtype=torch.bool, device=device)
-        batch["attention_mask"] = mask
-        return LayerInputs((hidden(seq_len),), batch, (mask,))
+        batch["segments"] = Segments.full(rows, seq_len, device)
+        return LayerInputs((hidden(seq_len),), batch, (batch["segments"].ids,))
     if kind == ENC_NORM:
         return LayerInputs((hidden(seq_len),), batch, ())
     if kind == DEC_EMBEDDING:
@@ -160,11 +146,10 @@ def make_inputs(kind: str, spec: ModelSpec, rows: int, seq_len: int, dec_seq_len
         return LayerInputs((hidden(seq_len),), batch, ())
     if kind == DEC_LAYER:
         enc = hidden(seq_len)
-        batch["dec_mask"] = causal(dec_seq_len)
-        batch["cross_mask"] = torch.zeros(rows, 1, dec_seq_len, seq_len, dtype=torch.bool,
-                                          device=device)
+        batch["dec_segments"] = Segments.full(rows, dec_seq_len, device)
+        batch["enc_segments"] = Segments.full(rows, seq_len, device)
         return LayerInputs((enc, hidden(dec_seq_len)), batch,
-                           (enc, batch["dec_mask"], batch["cross_mask"]))
+                           (enc, batch["dec_segments"].ids, batch["enc_segments"].ids))
     if kind == HEAD:
         return LayerInputs((hidden(out_len),), batch, ())
     raise ValueError(f"unknown layer kind {kind!r}")

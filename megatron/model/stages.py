@@ -12,9 +12,15 @@ them by default; we choose not to, which changes nothing but the parameter count
 
 Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by the previous
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
-tensors of batch_tensors.build_micro_batch. It returns the tuple for the next stage
-(GPT / encoder: (hidden,); after the decoder starts: (encoder output, decoder hidden)) or, on the
-HEAD stage, the per-token losses [rows, seq].
+tensors of batch_tensors.build_micro_batch (at least the keys of `batch_keys`). It returns the
+tuple for the next stage (GPT / encoder: (hidden,); after the decoder starts: (encoder output,
+decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq].
+
+Core attention is attention.SDPAttention in every layer spec (torch's fused attention kernels fed
+by the micro-batch's Segments, never a dense mask); megatron-core's bias-GELU and
+bias-dropout-add fusions are on with CUDA (build_transformer_config says why not on CPU). With
+TransformerEngine importable the layers use its specs (fused LayerNorm-linear), still with
+SDPAttention as core attention.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.model.attention import AttentionMask, sdpa_layer_spec
+
 from dynapipe_ext.model_spec import (
     DEC_EMBEDDING,
     DEC_LAYER,
@@ -56,16 +64,30 @@ from dynapipe_ext.model_spec import (
     ModelSpec,
 )
 
+try:   # optional: TransformerEngine's fused layers where it is installed (never required)
+    import transformer_engine  # noqa: F401
+    HAVE_TE = True
+except ImportError:
+    HAVE_TE = False
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
                              dtype: str = "float32", dropout: float = 0.0,
-                             recompute: str = "none") -> TransformerConfig:
-    """megatron-core config for the stage modules; CPU-safe (no fusions, CPU initialisation;
-    the weights are set by init_weights, so megatron's own init is skipped)."""
+                             recompute: str = "none",
+                             fused: bool | None = None) -> TransformerConfig:
+    """megatron-core config for the stage modules: CPU initialisation (the weights are set by
+    init_weights, so megatron's own init is skipped). `fused` (default: when CUDA is there)
+    switches on megatron-core's bias-GELU (tanh GELU, as Megatron-LM trains) and
+    bias-dropout-add fusions. They are torch.compile'd: on CPU they run, but each new shape
+    costs tens of seconds of compilation and the compiled kernels were slower than eager
+    (bias-GELU fwd+bwd 176 vs 76 ms at [512, 4, 1024], one thread), so CPU runs leave them off.
+    Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
+    persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    fused = torch.cuda.is_available() if fused is None else fused
     config = TransformerConfig(
         num_layers=spec.total_layers,
         hidden_size=spec.hidden_size,
@@ -81,7 +103,8 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         fp16=dtype == "float16",
         use_cpu_initialization=True,
         perform_initialization=False,
-        bias_dropout_fusion=False,
+        bias_dropout_fusion=fused,
+        bias_activation_fusion=fused,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -106,6 +129,28 @@ def set_recompute(config: TransformerConfig, mode: str) -> None:
         config.recompute_num_layers = 1
     else:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
+
+
+def layer_spec(kind: str, use_te: bool = HAVE_TE):
+    """The ModuleSpec of one GPT_LAYER / ENC_LAYER / DEC_LAYER with SDPAttention as core
+    attention: TransformerEngine's spec when `use_te`, else megatron-core's local one."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        from megatron.core.models.T5.t5_spec import (
+            decoder_model_with_transformer_engine_default_spec,
+            encoder_model_with_transformer_engine_default_spec,
+        )
+        specs = {GPT_LAYER: get_gpt_layer_with_transformer_engine_spec,
+                 ENC_LAYER: encoder_model_with_transformer_engine_default_spec,
+                 DEC_LAYER: decoder_model_with_transformer_engine_default_spec}
+    else:
+        specs = {GPT_LAYER: get_gpt_layer_local_spec, ENC_LAYER: encoder_model_with_local_spec,
+                 DEC_LAYER: decoder_model_with_local_spec}
+    if kind not in specs:
+        raise ValueError(f"no layer spec for layer kind {kind!r}")
+    return sdpa_layer_spec(specs[kind]())
 
 
 def _block(config: TransformerConfig, layer_spec, num_layers: int) -> TransformerBlock:
@@ -172,8 +217,8 @@ class StageModule(torch.nn.Module):
         self.embedding = (LanguageModelEmbedding(config, spec.vocab_size,
                                                  spec.max_position_embeddings)
                           if self.has_embedding else None)
-        self.decoder = _block(config, get_gpt_layer_local_spec(), n_gpt) if n_gpt else None
-        self.encoder = _block(config, encoder_model_with_local_spec(), n_enc) if n_enc else None
+        self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
+        self.encoder = _block(config, layer_spec(ENC_LAYER), n_enc) if n_enc else None
         self.encoder_norm = (torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                                                 dtype=config.params_dtype)
                              if ENC_NORM in self.kinds else None)
@@ -181,7 +226,7 @@ class StageModule(torch.nn.Module):
                                                          spec.max_position_embeddings)
                                   if self.starts_decoder else None)
         if n_dec:
-            self.decoder = _block(config, decoder_model_with_local_spec(), n_dec)
+            self.decoder = _block(config, layer_spec(DEC_LAYER), n_dec)
         self.head = OutputHead(config, spec.vocab_size) if self.has_head else None
         mark_tensor_parallel_weights(self)
 
@@ -208,6 +253,18 @@ class StageModule(torch.nn.Module):
         for name, param in self.named_parameters():
             yield self.global_name(name), param
 
+    def batch_keys(self) -> tuple[str, ...]:
+        """The micro-batch keys this stage's forward reads (batch_tensors names)."""
+        if self.spec.model == "gpt":
+            keys = (("tokens", "position_ids") if self.has_embedding else ()) \
+                + (("segments",) if self.decoder is not None else ())
+        else:
+            keys = (("enc_tokens", "enc_position_ids") if self.has_embedding else ()) \
+                + (("enc_segments",) if self.encoder is not None else ()) \
+                + (("dec_tokens", "dec_position_ids") if self.starts_decoder else ()) \
+                + (("enc_segments", "dec_segments") if self.decoder is not None else ())
+        return keys + (("labels", "loss_mask") if self.has_head else ())
+
     # ---- forward ----
     def forward(self, inputs: tuple, batch: Mapping[str, torch.Tensor]):
         if self.spec.model == "gpt":
@@ -218,7 +275,7 @@ class StageModule(torch.nn.Module):
         hidden = (self.embedding(batch["tokens"], batch["position_ids"]) if self.has_embedding
                   else inputs[0])
         if self.decoder is not None:
-            hidden = self.decoder(hidden, batch["attention_mask"])
+            hidden = self.decoder(hidden, AttentionMask.of(batch["segments"]))
         if self.has_head:
             return self.head(hidden, batch["labels"])
         return (hidden,)
@@ -231,14 +288,15 @@ class StageModule(torch.nn.Module):
             enc = inputs[0]
             dec = inputs[1] if len(inputs) > 1 else None
         if self.encoder is not None:
-            enc = self.encoder(enc, batch["enc_mask"])
+            enc = self.encoder(enc, AttentionMask.of(batch["enc_segments"]))
         if self.encoder_norm is not None:
             enc = self.encoder_norm(enc)
         if self.starts_decoder:
             dec = self.decoder_embedding(batch["dec_tokens"], batch["dec_position_ids"])
         if self.decoder is not None:
-            dec = self.decoder(dec, batch["dec_mask"], context=enc,
-                               context_mask=batch["cross_mask"])
+            dec = self.decoder(dec, AttentionMask.of(batch["dec_segments"]), context=enc,
+                               context_mask=AttentionMask.of(batch["dec_segments"],
+                                                             batch["enc_segments"]))
         if self.has_head:
             return self.head(dec, batch["labels"])
         return (enc,) if dec is None else (enc, dec)
@@ -268,11 +326,41 @@ def stage_parameters(rank_stages: Mapping[int, StageModule]):
         yield from rank_stages[stage].named_global_parameters()
 
 
+def batch_keys(rank_stages) -> tuple[str, ...]:
+    """The micro-batch keys any of these stages reads (what this rank needs built)."""
+    keys = []
+    for stage in (rank_stages.values() if isinstance(rank_stages, Mapping) else rank_stages):
+        keys += [k for k in stage.batch_keys() if k not in keys]
+    return tuple(keys)
+
+
+def _checkpoint(function, *args, **kwargs):
+    """torch.utils.checkpoint that also replays megatron's model-parallel RNG states (attention
+    dropout draws from them), as megatron-core's own checkpoint does. Ours rather than
+    megatron's because the attention masks are AttentionMask objects, which megatron's
+    checkpoint (save_for_backward) cannot hold."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = dict(tracker.get_states())
+    calls = []
+
+    def run(*xs, **kw):
+        if not calls:
+            calls.append(True)
+            return function(*xs, **kw)
+        now = tracker.get_states()
+        tracker.set_states(dict(states))
+        try:
+            return function(*xs, **kw)
+        finally:
+            tracker.set_states(now)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
 def _checkpointed_core_attention(module, *args, **kwargs):
     """Core attention forward that recomputes itself in backward when the module is flagged."""
-    if getattr(module, "recompute_on_cpu", False) and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(module.plain_forward, *args, use_reentrant=False,
-                                                 **kwargs)
+    if getattr(module, "recompute_core_attention", False) and torch.is_grad_enabled():
+        return _checkpoint(module.plain_forward, *args, **kwargs)
     return module.plain_forward(*args, **kwargs)
 
 
@@ -283,26 +371,18 @@ def _core_attentions(stage: StageModule):
 
 
 def run_stage_forward(stage: StageModule, inputs: tuple, batch, recompute: str = "none"):
-    """Stage forward under a recompute mode. On GPU it sets megatron-core's own settings
-    (recompute_granularity 'full' / 'selective' core attention). megatron-core's checkpoint
-    saves CUDA RNG state and cannot run on CPU, so there the same recomputation is done with
-    torch.utils.checkpoint: 'full' = the whole stage, 'selective' = every core attention."""
+    """Stage forward under a recompute mode, the same on every device: 'full' recomputes the
+    whole stage, 'selective' every core attention (torch.utils.checkpoint with megatron's RNG
+    states, see _checkpoint; megatron-core's own recompute settings stay off)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute mode must be none, selective or full, got {recompute!r}")
-    config = stage.config
-    if torch.cuda.is_available():
-        set_recompute(config, recompute)
-        for module in stage.modules():
-            if hasattr(module, "checkpoint_core_attention"):
-                module.checkpoint_core_attention = recompute == "selective"
-        return stage(inputs, batch)
-    set_recompute(config, "none")
+    set_recompute(stage.config, "none")
     if recompute == "full" and torch.is_grad_enabled():
         # the replay in backward must not depend on flags a later micro-batch has set
         def replay(*xs):
             _flag_core_attention(stage, False)
             return stage(xs, batch)
-        return torch.utils.checkpoint.checkpoint(replay, *inputs, use_reentrant=False)
+        return _checkpoint(replay, *inputs)
     _flag_core_attention(stage, recompute == "selective")
     return stage(inputs, batch)
 
@@ -313,4 +393,4 @@ def _flag_core_attention(stage: StageModule, recompute: bool) -> None:
         if not hasattr(module, "plain_forward"):
             module.plain_forward = module.forward
             module.forward = functools.partial(_checkpointed_core_attention, module)
-        module.recompute_on_cpu = recompute
+        module.recompute_core_attention = recompute

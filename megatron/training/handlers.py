@@ -1,24 +1,31 @@
 """Instruction handlers: what each execution-plan instruction does on this rank's stage modules.
 
 State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
+* Micro-batch tensors: a background thread builds them in the order this rank needs them
+  (`reset(..., order)`), only the keys its stages read (stages.batch_keys), pinned when the
+  device is CUDA so that the copies to the device do not block the host.
 * Forward(mb, s) takes its input from the micro-batch tensors (EMBEDDING stage), the activation
   received for (mb, s), or the local output of (mb, s-1) on this rank; it keeps inputs and
   outputs for the backward. On the HEAD stage the output is the micro-batch's share of the
   token-weighted loss: sum(token loss * loss_mask) / loss tokens of the whole global batch.
+  The loss sum and loss tokens stay device tensors, read once per iteration (global_mean_loss):
+  no device-to-host sync per micro-batch.
 * Backward(mb, s) takes the output gradient from that loss (HEAD), the gradient received for
   (mb, s), or the local input gradient of (mb, s+1); it leaves the input gradient of (mb, s)
   for a SendGradStart or for the local Backward(mb, s-1).
 * Send/Recv Start post torch.distributed isend/irecv with the shapes and dtype in the
   instruction, on one pipeline group per direction of traffic (distributed_setup.
-  pipeline_p2p_groups); Finish waits (with a timeout). A send's tensors are released as
+  pipeline_p2p_groups); Finish is a plain `wait()`: the process group's own timeout and
+  watchdog catch a dead peer (a timed wait would block the host on NCCL), and the failure
+  becomes a TransferError naming the peer. A send's tensors are released as
   soon as its Finish returns; a receive buffer is released by FreeBuffer.
 Parameter gradients accumulate in `.grad` over micro-batches; all_reduce_data_parallel_grads
 then sums them over the data-parallel group, giving the gradient of the global token mean.
 """
 from __future__ import annotations
 
-import datetime
-from typing import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,9 +45,19 @@ from dynapipe_ext.instructions import (
     SendGradFinish,
     SendGradStart,
 )
-from megatron.model.stages import DTYPES, StageModule, run_stage_forward
+from megatron.model.batch_tensors import batch_to
+from megatron.model.stages import DTYPES, StageModule, batch_keys, run_stage_forward
 
 BatchProvider = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+def micro_batch_order(plan) -> list[int]:
+    """The micro-batches of a rank's plan in the order it first needs their tensors."""
+    order: dict[int, None] = {}
+    for instr in plan.instructions:
+        if isinstance(instr, (LoadInput, Forward)):
+            order.setdefault(instr.mb, None)
+    return list(order)
 
 
 class PlanMismatchError(RuntimeError):
@@ -56,24 +73,33 @@ class PipelineRuntime:
 
     def __init__(self, rank_stages: Mapping[int, StageModule], batch_provider: BatchProvider,
                  pp_group=None, global_loss_tokens: int = 1, device: torch.device | None = None,
-                 timeout_s: float = 120.0):
+                 timeout_s: float | None = None):
         self.stages = dict(rank_stages)
+        self.batch_keys = batch_keys(self.stages)
         # (towards higher pipeline ranks, towards lower ones); one group serves both if given
         self.p2p_groups = pp_group if isinstance(pp_group, tuple) else (pp_group, pp_group)
         self.pp_rank = dist.get_rank(self.p2p_groups[0]) if pp_group is not None else 0
-        self.device = device or torch.device("cpu")
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device(device or "cpu")
+        self.timeout_s = timeout_s      # the process groups' timeout, for error messages only
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="micro-batch-tensors")
+        self.prefetched: dict[int, Future] = {}
         self.reset(batch_provider, global_loss_tokens)
 
-    def reset(self, batch_provider: BatchProvider, global_loss_tokens: int) -> None:
-        """Start a new iteration: forget all state, set the data and the loss denominator."""
+    def reset(self, batch_provider: BatchProvider, global_loss_tokens: int,
+              order: Sequence[int] = ()) -> None:
+        """Start a new iteration: forget all state, set the data and the loss denominator, and
+        start building the tensors of micro-batches `order` (micro_batch_order of the plan)."""
         if global_loss_tokens <= 0:
             raise ValueError(f"the global batch has {global_loss_tokens} loss tokens; "
                              "the token-weighted loss needs at least one")
+        for future in self.prefetched.values():
+            future.cancel()
         self.batch_provider = batch_provider
         self.global_loss_tokens = int(global_loss_tokens)
         self.batches: dict[int, Mapping[str, torch.Tensor]] = {}
+        self.prefetched = {mb: self._builder.submit(self._host_batch, mb, batch_provider)
+                           for mb in order}
         self.inputs: dict[tuple[int, int], tuple] = {}
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.input_grads: dict[tuple[int, int], tuple] = {}
@@ -81,8 +107,8 @@ class PipelineRuntime:
         self.received_grads: dict[tuple[int, int], tuple] = {}
         self.pending: dict[int, tuple] = {}          # buffer -> (instr, works, tensors)
         self.live_buffers: set[int] = set()
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
-        self.loss_tokens = 0
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batches_done = 0
 
     # ---- helpers ----
@@ -95,10 +121,22 @@ class PipelineRuntime:
             self._fail(instr, f"this rank holds stages {sorted(self.stages)}, not {instr.stage}")
         return self.stages[instr.stage]
 
+    def _host_batch(self, mb: int, provider: BatchProvider) -> dict:
+        """Micro-batch mb's tensors on the host, only this rank's keys (pinned for CUDA)."""
+        batch = provider(mb)
+        missing = [k for k in self.batch_keys if k not in batch]
+        if missing:
+            raise KeyError(f"rank {self.rank}: micro-batch {mb} lacks {missing}")
+        batch = {k: batch[k] for k in self.batch_keys}
+        return batch_to(batch, "cpu", pin=True) if self.device.type == "cuda" else batch
+
     def _batch(self, mb: int) -> Mapping[str, torch.Tensor]:
         if mb not in self.batches:
+            future = self.prefetched.pop(mb, None)
+            host = future.result() if future is not None \
+                else self._host_batch(mb, self.batch_provider)
             self.batches[mb] = {k: v.to(self.device, non_blocking=True)
-                                for k, v in self.batch_provider(mb).items()}
+                                for k, v in host.items()}
         return self.batches[mb]
 
     def _route(self, peer: int, send: bool):
@@ -110,14 +148,12 @@ class PipelineRuntime:
     def _wait(self, instr, works) -> None:
         for work in works:
             try:
-                ok = work.wait(timeout=self.timeout)
+                work.wait()
             except RuntimeError as err:
+                limit = f" (process group timeout {self.timeout_s:.0f} s)" \
+                    if self.timeout_s else ""
                 self._fail(instr, f"transfer with pipeline rank {instr.peer} failed or timed "
-                                  f"out after {self.timeout.total_seconds():.0f} s: {err}",
-                           TransferError)
-            if ok is False:
-                self._fail(instr, f"transfer with pipeline rank {instr.peer} timed out after "
-                                  f"{self.timeout.total_seconds():.0f} s", TransferError)
+                                  f"out{limit}: {err}", TransferError)
 
     # ---- handlers ----
     def load_input(self, instr: LoadInput) -> None:
@@ -141,8 +177,8 @@ class PipelineRuntime:
         if stage.has_head:
             mask = batch["loss_mask"]
             weighted = (out.float() * mask).sum()
-            self.loss_sum += weighted.detach().double().cpu()
-            self.loss_tokens += int(mask.sum().item())
+            self.loss_sum += weighted.detach().double()
+            self.loss_tokens += mask.sum().double()
             out = (weighted / self.global_loss_tokens,)
         self.inputs[key], self.outputs[key] = inputs, out
 
@@ -176,7 +212,11 @@ class PipelineRuntime:
             self._fail(instr, f"plan says shapes {instr.shapes}, tensors have {shapes}")
         op = dist.isend if send else dist.irecv
         peer, group = self._route(instr.peer, send)
-        works = [op(t, peer, group=group) for t in tensors]
+        try:
+            works = [op(t, peer, group=group) for t in tensors]
+        except RuntimeError as err:     # gloo fails at once when the peer is already gone
+            self._fail(instr, f"transfer with pipeline rank {instr.peer} could not start: {err}",
+                       TransferError)
         self.live_buffers.add(instr.buffer)
         self.pending[instr.buffer] = (instr, works, tensors)
 
@@ -241,6 +281,12 @@ class PipelineRuntime:
             raise PlanMismatchError(f"rank {self.rank}: plan ended with unfinished work {left}")
         self.batches.clear()
 
+    def close(self) -> None:
+        """Stop the tensor-building thread (pending micro-batches are dropped)."""
+        for future in self.prefetched.values():
+            future.cancel()
+        self._builder.shutdown(wait=False)
+
 
 class HandlerTable(dict):
     """The handler dict, with the runtime (loss sum, loss tokens, reset) attached."""
@@ -252,12 +298,14 @@ class HandlerTable(dict):
 
 def make_handlers(rank_stages: Mapping[int, StageModule], batch_provider: BatchProvider,
                   pp_group=None, global_loss_tokens: int = 1,
-                  device: torch.device | None = None, timeout_s: float = 120.0) -> HandlerTable:
+                  device: torch.device | None = None,
+                  timeout_s: float | None = None) -> HandlerTable:
     """Handlers for every instruction type. `batch_provider(mb)` returns micro-batch mb's
-    tensors (build_micro_batch); every rank needs them (masks), not only the first stage.
-    `global_loss_tokens`: loss tokens of the whole global batch over all DP replicas.
-    Read results from `table.runtime.loss_sum` / `.loss_tokens`; call
-    `table.runtime.reset(provider, tokens)` before the next iteration."""
+    tensors (build_micro_batch; at least `table.runtime.batch_keys`, the keys this rank's
+    stages read). `global_loss_tokens`: loss tokens of the whole global batch over all DP
+    replicas. `timeout_s`: the process groups' timeout, named in transfer errors.
+    Read results with global_mean_loss; call `table.runtime.reset(provider, tokens, order)`
+    before the next iteration."""
     return HandlerTable(PipelineRuntime(rank_stages, batch_provider, pp_group,
                                         global_loss_tokens, device, timeout_s))
 
@@ -296,8 +344,7 @@ def all_reduce_data_parallel_grads(parameters) -> None:
 def global_mean_loss(runtime: PipelineRuntime) -> tuple[float, int]:
     """(token-weighted mean loss of the global batch, its loss tokens), the same on every rank:
     sums over the data-parallel group and the pipeline group (only HEAD ranks hold losses)."""
-    stats = torch.tensor([float(runtime.loss_sum), float(runtime.loss_tokens)],
-                         dtype=torch.float64, device=runtime.device)
+    stats = torch.stack([runtime.loss_sum, runtime.loss_tokens])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
     if parallel_state.get_data_parallel_world_size() > 1:

@@ -34,7 +34,8 @@ from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel)
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
-                                        global_mean_loss, make_handlers)
+                                        global_mean_loss, make_handlers,
+                                        micro_batch_order)
 from megatron.training.optimizer import TrainOptimizer
 from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
@@ -149,7 +150,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
                  stage_to_rank: tuple[int, ...]):
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
     config = build_transformer_config(spec, cfg.tensor_model_parallel_size,
-                                      cfg.pipeline_model_parallel_size, model_dtype(cfg))
+                                      cfg.pipeline_model_parallel_size, model_dtype(cfg),
+                                      fused=layout.device.type == "cuda")
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config)
     initialize_stage_weights(stages, cfg.seed)
     return {s: m.to(layout.device) for s, m in stages.items()}
@@ -240,6 +242,7 @@ class TrainingRun:
         if self.plans is not None:
             self.plans.close()
         self.logger.close()
+        self.handlers.runtime.close()
 
 
 def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) -> TrainingRun:
@@ -352,9 +355,11 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
                    f"iteration {iteration}: the plan does not match this rank")
     global_loss_tokens = count_loss_tokens(samples, list(samples))
     micro_batches = plan.micro_batches
+    keys = run.handlers.runtime.batch_keys      # only what this rank's stages read
     run.handlers.runtime.reset(
-        lambda mb: build_micro_batch(micro_batches[mb], samples, cfg.model, run.data.pad_id),
-        global_loss_tokens)
+        lambda mb: build_micro_batch(micro_batches[mb], samples, cfg.model, run.data.pad_id,
+                                     keys),
+        global_loss_tokens, micro_batch_order(plan))
     run.executor.run(plan)
     run.handlers.runtime.check_drained()
     all_reduce_data_parallel_grads([p for _, p in stage_parameters(run.stages)])

@@ -1,0 +1,303 @@
+"""Core attention on torch's fused kernels, fed by the micro-batch description instead of masks.
+
+`SDPAttention` replaces megatron-core's local `DotProductAttention` (same constructor, same
+call `(query, key, value, attention_mask, attn_mask_type, ...)`, [s, b, heads, dim] layout,
+heads already split by tensor parallelism). Its `attention_mask` is an `AttentionMask`: where the
+samples sit on the query and key side (`Segments`: per-row sample lengths on the host, per-position
+segment ids on the device). No S x S array is ever built on the host:
+
+* right-padded rows (one sample per row; padding, token-budget, dynamic): causal attention is
+  `is_causal` alone (pad keys come after every real query), bidirectional attention (T5 encoder,
+  cross-attention) a [rows, 1, 1, S_k] key-padding mask from the segment ids;
+* packed rows (several samples per row), `packed_attention` mode of the module:
+  - "segments" (default): only the blocks of the block-diagonal mask are computed, so the work is
+    sum(l_i^2) rather than S^2. On CUDA with FlexAttention that is one document-masked kernel;
+    elsewhere (torch 2.13 CPU: FlexAttention has no backward, nested-tensor SDPA no backend) the
+    segments of all rows are grouped by length and each group is one batched SDPA call (a gather
+    and a scatter of q/k/v, one kernel per distinct length instead of one per segment);
+  - "mask": one SDPA over the whole row with the block-diagonal mask built on the device from the
+    segment ids; S^2 work and memory (bool mask), what Megatron-style packing without a varlen
+    kernel does, kept as the throughput bench's "packing" baseline.
+  Trade-off of the grouped fallback: work and memory follow the samples, at the price of one
+  gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
+  length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
+
+Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+PACKED_MODES = ("segments", "mask")
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """One sequence dimension of a micro-batch: `lengths[r]` the lengths of row r's samples in
+    order (host ints from the micro-batch description), `seq_len` the padded length, `ids`
+    [rows, seq_len] int32 segment number per position (1-based, 0 = pad)."""
+
+    lengths: tuple[tuple[int, ...], ...]
+    seq_len: int
+    ids: torch.Tensor
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_lengths(cls, lengths, seq_len: int) -> "Segments":
+        """Segments of rows holding samples of these lengths (O(rows x seq_len) host work)."""
+        lengths = tuple(tuple(int(n) for n in row) for row in lengths)
+        ids = np.zeros((len(lengths), seq_len), dtype=np.int32)
+        for r, row in enumerate(lengths):
+            if sum(row) > seq_len:
+                raise ValueError(f"row {r}: samples of lengths {row} do not fit {seq_len}")
+            ids[r, :sum(row)] = np.repeat(np.arange(1, len(row) + 1, dtype=np.int32), row)
+        return cls(lengths, seq_len, torch.from_numpy(ids))
+
+    @classmethod
+    def full(cls, rows: int, seq_len: int, device=None) -> "Segments":
+        """Rows of one sample filling the whole length (no padding)."""
+        return cls(((seq_len,),) * rows, seq_len,
+                   torch.ones(rows, seq_len, dtype=torch.int32, device=device))
+
+    @property
+    def packed(self) -> bool:
+        return any(len(row) > 1 for row in self.lengths)
+
+    @property
+    def padded(self) -> bool:
+        return any(sum(row) < self.seq_len for row in self.lengths)
+
+    def to(self, device, non_blocking: bool = False) -> "Segments":
+        return Segments(self.lengths, self.seq_len, self.ids.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Segments":
+        return Segments(self.lengths, self.seq_len, self.ids.pin_memory())
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMask:
+    """What one attention call may see: queries laid out as `q`, keys as `k` (the same object
+    for self-attention). Causality comes from the attention module's mask type. Things derived
+    from it (FlexAttention block masks, gather indices) are cached here, because every layer of
+    a stage forward (and its recompute) passes the same object."""
+
+    q: Segments
+    k: Segments
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if len(self.q.lengths) != len(self.k.lengths):
+            raise ValueError(f"queries have {len(self.q.lengths)} rows, keys "
+                             f"{len(self.k.lengths)}")
+        if [len(r) for r in self.q.lengths] != [len(r) for r in self.k.lengths]:
+            raise ValueError("queries and keys differ in samples per row: "
+                             f"{self.q.lengths} vs {self.k.lengths}")
+
+    @classmethod
+    def of(cls, q: Segments, k: Segments | None = None) -> "AttentionMask":
+        """The mask of queries `q` over keys `k` (self-attention when None), one object per
+        pair, so every layer and every recompute shares its cache."""
+        k = q if k is None else k
+        key = ("mask", id(k))
+        if key not in q.cache:
+            q.cache[key] = cls(q, k)
+        return q.cache[key]
+
+    def dense(self, causal: bool) -> torch.Tensor:
+        """[rows, 1, sq, sk] bool, True = may attend, built on the segment ids' device: same
+        sample and real key (and not a later key when causal); pad queries see every key, so no
+        row is fully masked."""
+        q, k = self.q.ids, self.k.ids
+        allowed = (q[:, :, None] == k[:, None, :]) & (k[:, None, :] > 0)
+        if causal:
+            allowed &= torch.ones(q.shape[1], k.shape[1], dtype=torch.bool,
+                                  device=q.device).tril()
+        allowed |= (q == 0)[:, :, None]
+        return allowed[:, None]
+
+
+def length_groups(mask: AttentionMask) -> dict[tuple[int, int], tuple[list, list, list]]:
+    """(query length, key length) -> (rows, query starts, key starts) of every sample segment,
+    so that segments of equal shape run as one batched call."""
+    groups: dict[tuple[int, int], tuple[list, list, list]] = {}
+    for r, (q_row, k_row) in enumerate(zip(mask.q.lengths, mask.k.lengths)):
+        q0 = k0 = 0
+        for lq, lk in zip(q_row, k_row):
+            rows, q_starts, k_starts = groups.setdefault((lq, lk), ([], [], []))
+            rows.append(r)
+            q_starts.append(q0)
+            k_starts.append(k0)
+            q0, k0 = q0 + lq, k0 + lk
+    return groups
+
+
+def _flex_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_FLEX = {}
+
+
+def _flex_attention():
+    """FlexAttention compiled once (uncompiled it materialises the scores)."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX["fn"]
+
+
+def flex_block_mask(mask: AttentionMask, causal: bool, device):
+    """FlexAttention block mask of the document (block-diagonal) mask, from the segment ids."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    q_ids, k_ids = mask.q.ids, mask.k.ids
+
+    def document(b, h, q_idx, kv_idx):
+        seen = (q_ids[b, q_idx] == k_ids[b, kv_idx]) & (k_ids[b, kv_idx] > 0)
+        return (seen & (q_idx >= kv_idx)) if causal else seen
+
+    return create_block_mask(document, B=q_ids.shape[0], H=None, Q_LEN=q_ids.shape[1],
+                             KV_LEN=k_ids.shape[1], device=device, _compile=True)
+
+
+class SDPAttention(DotProductAttention):
+    """megatron-core core attention on scaled_dot_product_attention (see module docstring).
+    Same constructor and forward signature as DotProductAttention; `attention_mask` is an
+    AttentionMask, a megatron bool mask tensor (True = masked out) or None."""
+
+    packed_attention = "segments"
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention reads sample boundaries from its AttentionMask; "
+                             "attention_bias and packed_seq_params are not supported")
+        if self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None:
+            raise ValueError("SDPAttention supports the vanilla softmax without a window only")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        sq, batch = query.shape[0], query.shape[1]
+        # [s, b, heads, dim] -> [b, heads, s, dim] (views; SDPA takes strided inputs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if attention_mask is None or isinstance(attention_mask, torch.Tensor):
+            out = self._sdpa(q, k, v, None if attention_mask is None else ~attention_mask,
+                             causal and attention_mask is None)
+        elif not isinstance(attention_mask, AttentionMask):
+            raise TypeError(f"attention_mask must be an AttentionMask, a bool tensor or None, "
+                            f"got {type(attention_mask).__name__}")
+        elif not (attention_mask.q.packed or attention_mask.k.packed):
+            out = self._padded(q, k, v, attention_mask, causal)
+        elif self.packed_attention == "mask":
+            if ("dense", causal) not in attention_mask.cache:    # built once per micro-batch
+                attention_mask.cache[("dense", causal)] = attention_mask.dense(causal)
+            out = self._sdpa(q, k, v, attention_mask.cache[("dense", causal)], False)
+        elif _flex_available(q.device) and not self._dropout_p():
+            out = self._flex(q, k, v, attention_mask, causal)
+        else:
+            out = self._by_length(query, key, value, attention_mask, causal)
+            return out.reshape(sq, batch, -1)
+        return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    # ---- the kernels ----
+    @property
+    def effective_scale(self) -> float:
+        """The score scale of megatron's dense path: its softmax multiplies the layer-number
+        coefficient back in when apply_query_key_layer_scaling is on."""
+        coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
+        return self.softmax_scale * coeff
+
+    def _dropout_p(self) -> float:
+        return self.attention_dropout.p if self.training else 0.0
+
+    def _dropout_rng(self):
+        """Attention dropout draws from megatron's model-parallel RNG, as the local path does."""
+        if self._dropout_p() > 0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+    def _sdpa(self, q, k, v, allowed, causal):
+        """[b, heads, sq, dim] output; `allowed` broadcastable bool, True = may attend."""
+        with self._dropout_rng():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, is_causal=causal, dropout_p=self._dropout_p(),
+                scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def _padded(self, q, k, v, mask: AttentionMask, causal: bool):
+        """One sample per row, right-padded: causal needs nothing else; bidirectional needs the
+        keys' padding, a [rows, 1, 1, sk] mask."""
+        if causal:
+            return self._sdpa(q, k, v, None, True)
+        allowed = (mask.k.ids > 0)[:, None, None, :] if mask.k.padded else None
+        return self._sdpa(q, k, v, allowed, False)
+
+    def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
+        """One document-masked FlexAttention call (CUDA; it has no dropout, so only without)."""
+        key = ("flex", causal, q.device)
+        if key not in mask.cache:
+            mask.cache[key] = flex_block_mask(mask, causal, q.device)
+        return _flex_attention()(q, k, v, block_mask=mask.cache[key], scale=self.effective_scale,
+                                 enable_gqa=q.shape[1] != k.shape[1])
+
+    def _by_length(self, query, key, value, mask: AttentionMask, causal: bool):
+        """Per-segment attention batched by segment shape; returns [sq, b, heads, dim] with
+        zeros at pad positions."""
+        out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
+        for (lq, lk), (q_pos, k_pos, rows) in self._gather_indices(mask, query.device).items():
+            qg = query[q_pos, rows].permute(0, 2, 1, 3)            # [n, heads, lq, dim]
+            kg = key[k_pos, rows].permute(0, 2, 1, 3)
+            vg = value[k_pos, rows].permute(0, 2, 1, 3)
+            og = self._sdpa(qg, kg, vg, None, causal)
+            out.index_put_((q_pos, rows), og.permute(0, 2, 1, 3))
+        return out
+
+    @staticmethod
+    def _gather_indices(mask: AttentionMask, device):
+        """Per segment shape: [n, lq] query positions, [n, lk] key positions, [n, 1] rows."""
+        key = ("gather", device)
+        if key not in mask.cache:
+            indices = {}
+            for (lq, lk), (rows, q0, k0) in length_groups(mask).items():
+                q_pos = torch.tensor(q0)[:, None] + torch.arange(lq)
+                k_pos = torch.tensor(k0)[:, None] + torch.arange(lk)
+                indices[(lq, lk)] = tuple(t.to(device, non_blocking=True) for t in
+                                          (q_pos, k_pos, torch.tensor(rows)[:, None]))
+            mask.cache[key] = indices
+        return mask.cache[key]
+
+
+def sdpa_layer_spec(layer_spec):
+    """A copy of a layer ModuleSpec whose self- and cross-attention use SDPAttention."""
+    spec = copy.deepcopy(layer_spec)
+    for name in ("self_attention", "cross_attention"):
+        attention = getattr(spec.submodules, name, None)
+        submodules = getattr(attention, "submodules", None)
+        if submodules is not None and getattr(submodules, "core_attention", None) is not None:
+            submodules.core_attention = SDPAttention
+    return spec
+
+
+def set_packed_attention(module: torch.nn.Module, mode: str) -> int:
+    """Choose how every SDPAttention inside `module` computes packed rows ("segments" or
+    "mask", see the module docstring); returns how many modules were set."""
+    if mode not in PACKED_MODES:
+        raise ValueError(f"packed attention mode must be one of {PACKED_MODES}, got {mode!r}")
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, SDPAttention):
+            sub.packed_attention = mode
+            count += 1
+    return count

@@ -1,0 +1,235 @@
+"""SDPAttention: the same numbers as megatron-core's local DotProductAttention given the
+equivalent dense mask (causal, key padding, cross-attention, packed segments), in forward and
+backward, built from the micro-batch description alone; and the stage-level modes around it."""
+import numpy as np
+import pytest
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from dynapipe_ext.microbatch import MicroBatch
+from dynapipe_ext.model_spec import ModelSpec
+from megatron.model.attention import (
+    AttentionMask,
+    SDPAttention,
+    Segments,
+    length_groups,
+    sdpa_layer_spec,
+    set_packed_attention,
+)
+from megatron.model.batch_tensors import build_micro_batch
+from megatron.model.init_weights import initialize_stage_weights
+from megatron.model.stages import (
+    HAVE_TE,
+    build_rank_stages,
+    build_transformer_config,
+    layer_spec,
+    run_stage_forward,
+)
+from multiproc import single_process_world
+
+HEADS, DIM = 4, 8
+SPEC = ModelSpec("gpt", 2, HEADS * DIM, HEADS, 64, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def world():
+    torch.set_num_threads(1)
+    with single_process_world(seed=7):
+        yield
+
+
+def core(cls, mask_type):
+    return cls(build_transformer_config(SPEC), layer_number=1, attn_mask_type=mask_type,
+               attention_type="self")
+
+
+def dense_mask(q: Segments, k: Segments, causal: bool) -> torch.Tensor:
+    """The megatron-style mask (True = masked out) the layout stands for; pad queries see
+    every key so no row is fully masked (their outputs are not compared)."""
+    qi, ki = q.ids[:, :, None], k.ids[:, None, :]
+    allowed = (qi == ki) & (ki > 0)
+    if causal:
+        allowed &= torch.ones(q.seq_len, k.seq_len, dtype=torch.bool).tril()
+    allowed |= qi == 0
+    return ~allowed[:, None]
+
+
+def compare(q_lengths, k_lengths, sq, sk, causal, mode="segments", gqa=1, device="cpu",
+            tol=(1e-5, 1e-5, 1e-4, 1e-5)):
+    """Forward and backward of SDPAttention vs DotProductAttention on random q/k/v; only real
+    query positions carry output gradient (pad outputs are don't-care)."""
+    q_seg, k_seg = Segments.from_lengths(q_lengths, sq), Segments.from_lengths(k_lengths, sk)
+    rows = len(q_lengths)
+    gen = torch.Generator().manual_seed(sq * 31 + sk)
+    q = torch.randn(sq, rows, HEADS, DIM, generator=gen).to(device)
+    k = torch.randn(sk, rows, HEADS // gqa, DIM, generator=gen).to(device)
+    v = torch.randn(sk, rows, HEADS // gqa, DIM, generator=gen).to(device)
+    upstream = torch.randn(sq, rows, HEADS * DIM, generator=gen).to(device) \
+        * (q_seg.ids.T > 0)[:, :, None].to(device)
+    dense = dense_mask(q_seg, k_seg, causal).to(device)
+    q_seg, k_seg = q_seg.to(device), (q_seg.to(device) if k_seg is q_seg else k_seg.to(device))
+    mask_type = AttnMaskType.causal if causal else AttnMaskType.padding
+    results = []
+    for module, mask in ((core(DotProductAttention, mask_type), dense),
+                         (core(SDPAttention, mask_type),
+                          AttentionMask.of(q_seg, None if q_seg is k_seg else k_seg))):
+        module.packed_attention = mode
+        if gqa > 1:
+            module.num_query_groups_per_partition = HEADS // gqa
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = module(*xs, mask)
+        (out * upstream).sum().backward()
+        results.append((out * (upstream != 0), [x.grad for x in xs]))
+    (ref, ref_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, ref, rtol=tol[0], atol=tol[1])
+    for name, g, r in zip("qkv", got_grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=tol[2], atol=tol[3], msg=name)
+
+
+def test_gpt_causal_right_padded_rows(world):
+    compare([(9,), (5,), (12,)], [(9,), (5,), (12,)], 12, 12, causal=True)
+
+
+def test_t5_encoder_key_padding(world):
+    compare([(7,), (3,)], [(7,), (3,)], 8, 8, causal=False)
+
+
+def test_cross_attention_key_padding(world):
+    compare([(4,), (6,)], [(7,), (3,)], 6, 9, causal=False)
+
+
+@pytest.mark.parametrize("mode", ["segments", "mask"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_segments(world, mode, causal):
+    lengths = [(3, 5, 2), (4, 4), (10,)]
+    compare(lengths, lengths, 12, 12, causal=causal, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["segments", "mask"])
+def test_packed_cross_attention(world, mode):
+    compare([(2, 3), (4, 1)], [(5, 2), (3, 6)], 6, 10, causal=False, mode=mode)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_document_attention_on_cuda(world, causal):
+    # TF32 matmuls in the local path and FlexAttention's own kernels: GPU-level tolerance
+    lengths = [(300, 500, 200), (400, 400, 100), (1000,)]
+    compare(lengths, lengths, 1024, 1024, causal=causal, device="cuda",
+            tol=(2e-3, 2e-3, 2e-3, 2e-3))
+    compare([(3, 5, 2), (4, 4), (10,)], [(3, 5, 2), (4, 4), (10,)], 12, 12, causal=causal,
+            device="cuda", tol=(2e-3, 2e-3, 2e-3, 2e-3))
+
+
+def test_grouped_query_attention(world):
+    compare([(3, 5), (8,)], [(3, 5), (8,)], 9, 9, causal=True, gqa=2)
+
+
+def test_segments_of_equal_shape_run_together():
+    mask = AttentionMask.of(Segments.from_lengths([(3, 5, 3), (5, 3)], 12))
+    groups = length_groups(mask)
+    assert groups == {(3, 3): ([0, 0, 1], [0, 8, 5], [0, 8, 5]),
+                      (5, 5): ([0, 1], [3, 0], [3, 0])}
+
+
+def test_layout_errors_are_clear():
+    with pytest.raises(ValueError, match="do not fit 4"):
+        Segments.from_lengths([(3, 2)], 4)
+    with pytest.raises(ValueError, match="samples per row"):
+        AttentionMask(Segments.from_lengths([(2, 2)], 4), Segments.from_lengths([(4,)], 4))
+
+
+def test_layer_specs_use_sdpa_attention():
+    from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec
+    base = decoder_model_with_local_spec()
+    spec = sdpa_layer_spec(base)
+    assert spec.submodules.self_attention.submodules.core_attention is SDPAttention
+    assert spec.submodules.cross_attention.submodules.core_attention is SDPAttention
+    assert base.submodules.self_attention.submodules.core_attention is DotProductAttention
+    assert layer_spec("enc_layer", use_te=False).submodules.self_attention.submodules \
+        .core_attention is SDPAttention
+
+
+# ------------------------------------------------------------------ whole stages
+
+def random_samples(model, n, seed):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(n):
+        le, ld = int(rng.integers(2, 15)), int(rng.integers(1, 9))
+        if model == "gpt":
+            out[i] = (rng.integers(1, 60, le), rng.integers(1, 60, le), np.ones(le, np.float32))
+        else:
+            out[i] = (rng.integers(1, 60, le), rng.integers(1, 60, ld), rng.integers(1, 60, ld),
+                      np.ones(ld, np.float32))
+    return out
+
+
+def loss_and_grads(spec, batch, mode="segments", recompute="none"):
+    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec))
+    initialize_stage_weights(stages, 9)
+    count = set_packed_attention(stages[0], mode)
+    losses = run_stage_forward(stages[0], (), batch, recompute)
+    (losses * batch["loss_mask"]).sum().backward()
+    return losses.detach(), {n: p.grad.clone() for n, p in stages[0].named_parameters()}, count
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_packed_modes_and_recompute_agree_on_a_whole_stage(world, model):
+    spec = ModelSpec(model, 2, 32, 4, 64, num_decoder_layers=2 if model == "t5" else 0,
+                     max_position_embeddings=64)
+    samples = random_samples(model, 7, seed=1)
+    mb = MicroBatch(rows=((0, 1, 2), (3, 4), (5, 6)), seq_len=40,
+                    dec_seq_len=24 if model == "t5" else 0)
+    batch = build_micro_batch(mb, samples, model, 0)
+    ref, ref_grads, count = loss_and_grads(spec, batch, "mask")
+    # GPT: one self-attention per layer; T5: encoder self, decoder self + cross
+    assert count == (2 if model == "gpt" else 2 + 2 * 2)
+    real = batch["loss_mask"] > 0
+    for mode, recompute in (("segments", "none"), ("segments", "selective"),
+                            ("segments", "full")):
+        got, grads, _ = loss_and_grads(spec, batch, mode, recompute)
+        torch.testing.assert_close(got[real], ref[real], rtol=1e-5, atol=1e-5)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5,
+                                       msg=f"{mode}/{recompute}: {name}")
+
+
+@pytest.mark.skipif(not HAVE_TE, reason="TransformerEngine is not installed")
+def test_transformer_engine_layers_train(world):
+    spec = ModelSpec("gpt", 2, 32, 4, 64, max_position_embeddings=64)
+    samples = random_samples("gpt", 3, seed=2)
+    batch = build_micro_batch(MicroBatch(rows=((0, 1), (2,)), seq_len=30), samples, "gpt", 0)
+    losses, grads, count = loss_and_grads(spec, batch)
+    assert count == 2 and torch.isfinite(losses).all()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_bench_tool_times_both_builders_and_the_new_one_is_compact():
+    from pathlib import Path
+
+    from tools.bench_attention import bench_tensors
+    path = Path(__file__).resolve().parents[1] / "megatron" / "model" / "batch_tensors.py"
+    rows = bench_tensors(str(path), repeats=1)
+    assert [r["case"] for r in rows][:2] == ["GPT 4x2048", "GPT 1x8192"]
+    for r in rows:
+        assert r["before_ms"] > 0 and r["after_ms"] > 0
+        assert r["after_bytes"] < 1 << 20          # O(rows x S): under 1 MiB at 8192
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fusions are on with CUDA only")
+def test_fused_stage_on_cuda_matches_unfused(world):
+    spec = ModelSpec("gpt", 2, 32, 4, 64, max_position_embeddings=64)
+    samples = random_samples("gpt", 3, seed=2)
+    batch = build_micro_batch(MicroBatch(rows=((0, 1), (2,)), seq_len=30), samples, "gpt", 0)
+    batch = {k: v.to("cuda") for k, v in batch.items()}
+    losses = []
+    for fused in (False, True):
+        config = build_transformer_config(spec, fused=fused)
+        assert config.bias_activation_fusion is fused and config.bias_dropout_fusion is fused
+        stages = build_rank_stages(spec, (0,), 0, config, device="cuda")
+        initialize_stage_weights(stages, 9)
+        losses.append(run_stage_forward(stages[0], (), batch).detach())
+    # the fused GELU is the tanh approximation (as Megatron-LM trains), the unfused one erf
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)
