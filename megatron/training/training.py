@@ -37,6 +37,7 @@ from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_gr
                                                   setup_model_parallel)
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers)
+from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
 from megatron.training.plan_delivery import PlanDelivery, create_plan_store
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
@@ -276,14 +277,17 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     stages = build_stages(cfg, spec, layout, stage_to_rank)
+    grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
+                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None)
     optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
-                               parallel_state.get_model_parallel_group())
+                               parallel_state.get_model_parallel_group(), grad_buffer)
     start = 0
     if cfg.load:
         start = resume(cfg, data, stages, optimizer, layout)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
                              pp_group=pipeline_p2p_groups(),
-                             device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60)
+                             device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60,
+                             grad_buffer=grad_buffer)
     logger = TrainLogger(cfg.log_interval, cfg.tensorboard_dir,
                          enabled=layout.rank == 0 and verbose, stats_file=cfg.stats_file)
     if layout.rank == 0 and verbose:
@@ -338,9 +342,10 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     run.handlers.runtime.reset(
         lambda mb: build_micro_batch(micro_batches[mb], samples, cfg.model, run.data.pad_id),
         global_loss_tokens)
+    run.optimizer.grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
     run.executor.run(plan)
     run.handlers.runtime.check_drained()
-    all_reduce_data_parallel_grads([p for _, p in stage_parameters(run.stages)])
+    all_reduce_data_parallel_grads(run.optimizer.grad_buffer)
     loss, _ = global_mean_loss(run.handlers.runtime)
     step = run.optimizer.step(iteration)
     slots, count = replica_totals(micro_batches, layout)
