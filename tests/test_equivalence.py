@@ -126,15 +126,21 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
     return loss, gather_full_grads(stages)
 
 
-def layout_worker(rank, world_size, layout_name):
-    """Runs every (model, style) case of one layout; rank 0 returns the results."""
+def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
+    """Runs the (model, style) `cases` (default: all) of one layout; rank 0 returns the
+    results."""
     from megatron.training.distributed_setup import setup_model_parallel
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
+    cases = cases or [(model, style) for model in SPECS for style in STYLES]
     results = {}
     for model in SPECS:
+        if not any(m == model for m, _ in cases):
+            continue
         layout = setup_model_parallel(tp, pp, seed=SEED, timeout_s=60)
         for style in STYLES:
-            results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout)
+            if (model, style) in cases:
+                results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout,
+                                                   dtype)
     return results if rank == 0 else None
 
 
