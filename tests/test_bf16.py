@@ -9,7 +9,7 @@ roundoff 2^-9 = 2e-3; the bf16 weights are the fp32 ones rounded):
 * loss within 4e-3 relative (one bf16 ulp at the loss; measured <= 1.2e-5: the loss at
   initialisation sits near log(vocab), where rounding errors average out);
 * the whole gradient (all parameters concatenated) within 2e-2 relative L2 error (measured
-  <= 6.1e-3, a few roundings' worth);
+  <= 6.5e-3, a few roundings' worth);
 * every parameter's gradient: cosine similarity >= 0.99 (measured >= 0.9985) and relative L2
   error <= 0.15 (measured <= 5.7e-2, worst on layer-norm biases, whose small gradients are sums
   of many bf16 terms that partly cancel). The relative error also catches a gradient off by a

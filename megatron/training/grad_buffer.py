@@ -30,9 +30,13 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-# Megatron's default is max(40M, 1M x DP) elements; ours are small models on CPU, where a few
-# MB per bucket already gives several buckets to overlap.
-DEFAULT_BUCKET_NUMEL = 1_000_000
+MIN_BUCKET_NUMEL, MAX_BUCKET_NUMEL = 2 ** 18, 40_000_000
+
+
+def default_bucket_numel(total_numel: int) -> int:
+    """About 16 buckets per rank, so the reduction starts early in the last backward, but no
+    bucket under 1 MiB of fp32 (per-collective overhead) nor over Megatron's 40M elements."""
+    return min(MAX_BUCKET_NUMEL, max(MIN_BUCKET_NUMEL, total_numel // 16))
 
 
 @dataclass
@@ -46,8 +50,7 @@ class Bucket:
     params: list = field(default_factory=list)
     arrived: set = field(default_factory=set)     # ids of params whose final grad is in
     forced: bool = False                          # stage done: ready whatever arrived
-    work: object = None
-    launched: bool = False
+    work: object = None               # the async all-reduce once launched
 
     @property
     def ready(self) -> bool:
@@ -65,13 +68,15 @@ class GradBuffer:
     (see the module docstring). `stage_params`: stage index -> that stage's parameters."""
 
     def __init__(self, stage_params: Mapping[int, Sequence[torch.nn.Parameter]], dp_group=None,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap: bool = True):
-        if bucket_numel <= 0:
-            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+                 bucket_numel: int | None = None, overlap: bool = True):
         order = [(s, p) for s in sorted(stage_params, reverse=True)
                  for p in reversed([p for p in stage_params[s] if p.requires_grad])]
         if not order:
             raise ValueError("the gradient buffer got no trainable parameters")
+        total = sum(p.numel() for _, p in order)
+        bucket_numel = default_bucket_numel(total) if bucket_numel is None else bucket_numel
+        if bucket_numel <= 0:
+            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         if len({id(p) for _, p in order}) != len(order):
             raise ValueError("a parameter is listed twice (in two stages or twice in one)")
         taken = [p for _, p in order if hasattr(p, "main_grad")]
@@ -80,8 +85,7 @@ class GradBuffer:
                              "second optimizer or GradBuffer on the same model?)")
         self.dp_group = dp_group
         self.overlap = overlap
-        self.data = torch.zeros(sum(p.numel() for _, p in order), dtype=torch.float32,
-                                device=order[0][1].device)
+        self.data = torch.zeros(total, dtype=torch.float32, device=order[0][1].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         offset = 0
@@ -98,7 +102,7 @@ class GradBuffer:
             param.register_post_accumulate_grad_hook(self._accumulate)
         self.params = [p for _, p in order]
         self._reset_iteration()
-        self.launch_times: list[float] = []   # perf_counter of each bucket launch (last iter)
+        self.last_stats: dict = {}           # what the last `finish` returned
 
     # ---- per iteration ----
     def _reset_iteration(self) -> None:
@@ -107,7 +111,7 @@ class GradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.arrived.clear()
-            bucket.forced = bucket.launched = False
+            bucket.forced = False
             bucket.work = None
 
     def expect_backwards(self, counts: Mapping[int, int]) -> None:
@@ -157,8 +161,6 @@ class GradBuffer:
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 bucket.work = dist.all_reduce(self.data[bucket.start:bucket.end],
                                               group=self.dp_group, async_op=True)
-            bucket.launched = True
-            self.launch_times.append(time.perf_counter())
             self._next += 1
 
     def finish(self) -> dict:
@@ -171,15 +173,11 @@ class GradBuffer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-        stats = {"launched_early": early, "buckets": len(self.buckets),
-                 "wait_s": time.perf_counter() - start}
+        self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
+                           "wait_s": time.perf_counter() - start}
         self._reset_iteration()
-        return stats
+        return self.last_stats
 
     def zero(self) -> None:
         """Clear every main gradient for the next iteration (one fill of the buffer)."""
         self.data.zero_()
-        self.launch_times = []
-
-    def stages(self) -> list[int]:
-        return sorted({b.stage for b in self.buckets})
