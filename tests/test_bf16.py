@@ -171,6 +171,7 @@ def overlap_worker(rank, world_size):
         launched.append(buffer._next)
         buffer.after_backward(0)
     stats = buffer.finish()
+    assert buffer.finish() is stats      # the optimizer's own finish must not reduce again
     return launched, seen, stats, [p.main_grad.numpy().copy() for p in params], local
 
 

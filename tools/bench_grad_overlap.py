@@ -4,10 +4,12 @@ Run under torchrun with a data-parallel layout and the usual pretrain flags, e.g
   torchrun --nproc-per-node 2 tools/bench_grad_overlap.py --model gpt --iters 20 -- \
       --data-path data/quickstart/flan --tokenizer-type SentencePieceTokenizer ...
 Iterations alternate between the GradBuffer reducing buckets during each stage's last backward
-(overlap) and reducing everything after the plan (no overlap). For each, the time from the end of
-the executor's plan (the last backward) until every bucket is reduced is GradBuffer.finish's
-wait; without overlap that wait is the whole reduction. Hidden share = 1 - (overlap wait / no-
-overlap wait), from the medians. Rank 0 prints one JSON line.
+(overlap) and reducing everything after the plan (no overlap). Exposed reduction time of an
+iteration = from the moment the LAST replica ends its plan (its last backward; GradBuffer.finish
+is called) until every replica has every bucket reduced (wall clock, so replicas on one host
+compare; waiting for a slower replica's backward is not counted). Without overlap that is the
+whole reduction. Hidden share = 1 - median exposed (overlap) / median exposed (no overlap).
+Rank 0 prints one JSON line.
 """
 import argparse
 import json
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = [f for f in args.train_flags if f != "--"]
 
+    import torch.distributed as dist
+
     from megatron.training.arguments import parse_args
     from megatron.training.training import build_run, train_step
     cfg = parse_args(args.model, flags + ["--train-iters", str(args.warmup + args.iters)])
@@ -35,15 +39,21 @@ def main(argv=None) -> int:
     if run.layout.dp < 2:
         raise SystemExit("bench_grad_overlap needs data parallelism (world size > TP x PP)")
     buffer = run.optimizer.grad_buffer
-    waits = {True: [], False: []}
+    mine = []                                # (overlap, finish called, all reduced)
     try:
         for iteration in range(cfg.train_iters):
             buffer.overlap = iteration % 2 == 0
             train_step(run, iteration)
             if iteration >= args.warmup:
-                waits[buffer.overlap].append(buffer.last_stats["wait_s"])
+                stats = buffer.last_stats
+                mine.append((buffer.overlap, stats["called_at"], stats["done_at"]))
     finally:
         run.close()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    waits = {True: [], False: []}
+    for records in zip(*everyone):
+        waits[records[0][0]].append(max(r[2] for r in records) - max(r[1] for r in records))
     exposed, total = statistics.median(waits[True]), statistics.median(waits[False])
     if run.layout.rank == 0:
         print(json.dumps({

@@ -102,6 +102,7 @@ class GradBuffer:
             param.register_post_accumulate_grad_hook(self._accumulate)
         self.params = [p for _, p in order]
         self._reset_iteration()
+        self._reduced = False                # finish done and no gradient arrived since
         self.last_stats: dict = {}           # what the last `finish` returned
 
     # ---- per iteration ----
@@ -121,6 +122,7 @@ class GradBuffer:
 
     def before_backward(self, stage: int) -> None:
         """Called just before a Backward of `stage`: is it the stage's last this iteration?"""
+        self._reduced = False
         if stage not in self._remaining:
             if stage in self._final:
                 raise RuntimeError(f"stage {stage} runs more backwards than the plan's "
@@ -143,6 +145,7 @@ class GradBuffer:
     def _accumulate(self, param: torch.Tensor) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
+        self._reduced = False
         bucket = self._bucket_of[id(param)]
         if bucket.stage in self._final:
             bucket.arrived.add(id(param))
@@ -166,16 +169,22 @@ class GradBuffer:
     def finish(self) -> dict:
         """Reduce what is not yet reduced, wait for every bucket; main grads then hold the
         data-parallel sum. Returns {'launched_early': buckets launched before this call,
-        'buckets': all, 'wait_s': seconds spent here}. Idempotent until the next backward."""
-        start = time.perf_counter()
+        'buckets': all, 'wait_s': seconds spent here, 'called_at' / 'done_at': wall-clock
+        times of the call and of the end}. A second call with no new gradient in between
+        reduces nothing again (it would double the sum) and returns the same stats."""
+        if self._reduced:
+            return self.last_stats
+        called_at, start = time.time(), time.perf_counter()
         early = self._next
         self._launch_until(lambda b: True)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
         self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
-                           "wait_s": time.perf_counter() - start}
+                           "wait_s": time.perf_counter() - start, "called_at": called_at,
+                           "done_at": time.time()}
         self._reset_iteration()
+        self._reduced = True
         return self.last_stats
 
     def zero(self) -> None:
