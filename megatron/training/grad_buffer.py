@@ -100,7 +100,6 @@ class GradBuffer:
             last.params.append(param)
             self._bucket_of[id(param)] = last
             param.register_post_accumulate_grad_hook(self._accumulate)
-        self.params = [p for _, p in order]
         self._reset_iteration()
         self._reduced = False                # finish done and no gradient arrived since
         self.last_stats: dict = {}           # what the last `finish` returned
