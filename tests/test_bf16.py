@@ -96,6 +96,31 @@ def test_compare_bf16_flags_a_scaled_or_noisy_gradient():
     assert compare_bf16(ref, (3.1, close))[0].startswith("loss")
 
 
+@pytest.mark.parametrize("model", list(SPECS))
+def test_bf16_stages_hold_only_bf16_and_hand_over_bf16_with_an_fp32_loss(model):
+    """megatron-core leaves position embeddings and local-spec norms fp32; the whole stage must
+    be bf16 (as Float16Module casts it), the hand-over bf16 and the token losses fp32."""
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    from megatron.model.init_weights import initialize_stage_weights
+    from megatron.model.stages import build_rank_stages, build_transformer_config
+    from multiproc import single_process_world
+    from test_equivalence import global_batch
+    spec, samples = SPECS[model], global_batch(model, 3)
+    with single_process_world(seed=SEED):
+        stages = build_rank_stages(spec, (0, 0), 0, build_transformer_config(spec, pp=1,
+                                                                             dtype="bfloat16"))
+        initialize_stage_weights(stages, SEED)
+        wrong = [n for s in stages.values() for n, p in s.named_parameters()
+                 if p.dtype != torch.bfloat16]
+        assert not wrong, wrong
+        batch = build_micro_batch(unsplit_micro_batch(sorted(samples), samples, model),
+                                  samples, model, 0)
+        handed = stages[0]((), batch)
+        assert all(t.dtype == torch.bfloat16 for t in handed)
+        losses = stages[1](handed, batch)
+        assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
+
+
 # ---- fp32 main gradients ----
 
 def bf16_linear_stack(layers: int = 3, width: int = 8) -> torch.nn.Sequential:
