@@ -33,6 +33,7 @@ SPECS = {
 }
 STYLES = ("padding", "packing", "dynamic")
 RTOL, LOSS_RTOL, ATOL_FRACTION = 1e-5, 1e-6, 1e-6
+BUCKET_NUMEL = 4096             # several DP buckets per stage, so their order is exercised
 # name -> (processes, tensor parallel, pipeline parallel, schedule)
 LAYOUTS = {
     "tp2": (2, 2, 1, "1f1b"),
@@ -85,12 +86,17 @@ def plan_replica(model, style, num_stages, tp, dp, dp_rank):
     return samples, mbs, plan
 
 
-def run_case(model, style, tp, pp, schedule_name, layout):
-    """One training step of one case on this rank; returns (loss, full grads by name)."""
+def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
+    """One training step of one case on this rank; returns (loss, full grads by name).
+    Gradients go through the real GradBuffer (fp32 main grads, DP buckets reduced during the
+    last backward of each stage)."""
+    from megatron.core import parallel_state
+
     from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import build_rank_stages, build_transformer_config
     from megatron.training.distributed_setup import pipeline_p2p_groups
+    from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
     from megatron.training.handlers import (all_reduce_data_parallel_grads, global_mean_loss,
                                             make_handlers)
     from megatron.training.reference import gather_full_grads
@@ -99,32 +105,42 @@ def run_case(model, style, tp, pp, schedule_name, layout):
     num_stages = 2 * pp if schedule_name == "wave" else pp
     samples, mbs, _ = plan_replica(model, style, num_stages, tp, layout.dp, layout.dp_rank)
     schedule = (wave(len(mbs), pp) if schedule_name == "wave" else one_f_one_b(len(mbs), pp))
-    plans = lower(schedule, mbs, spec)
+    plans = lower(schedule, mbs, spec, dtype=dtype)
     plan = plans[layout.pp_rank]
     stages = build_rank_stages(spec, schedule.stage_to_rank, layout.pp_rank,
-                               build_transformer_config(spec, tp=tp, pp=pp))
+                               build_transformer_config(spec, tp=tp, pp=pp, dtype=dtype))
     initialize_stage_weights(stages, SEED)
+    grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
+                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
+                             bucket_numel=BUCKET_NUMEL)
     table = make_handlers(stages, lambda m: build_micro_batch(mbs[m], samples, model, 0),
                           pipeline_p2p_groups(),
                           global_loss_tokens=count_loss_tokens(samples, list(samples)),
-                          timeout_s=60)
+                          timeout_s=60, grad_buffer=grad_buffer)
+    grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
     Executor(table).run(plan)
     table.runtime.check_drained()
-    all_reduce_data_parallel_grads([p for s in stages.values() for p in s.parameters()])
+    all_reduce_data_parallel_grads(grad_buffer)
     loss, tokens = global_mean_loss(table.runtime)
     assert tokens == count_loss_tokens(samples, list(samples))
     return loss, gather_full_grads(stages)
 
 
-def layout_worker(rank, world_size, layout_name):
-    """Runs every (model, style) case of one layout; rank 0 returns the results."""
+def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
+    """Runs the (model, style) `cases` (default: all) of one layout; rank 0 returns the
+    results."""
     from megatron.training.distributed_setup import setup_model_parallel
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
+    cases = cases or [(model, style) for model in SPECS for style in STYLES]
     results = {}
     for model in SPECS:
+        if not any(m == model for m, _ in cases):
+            continue
         layout = setup_model_parallel(tp, pp, seed=SEED, timeout_s=60)
         for style in STYLES:
-            results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout)
+            if (model, style) in cases:
+                results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout,
+                                                   dtype)
     return results if rank == 0 else None
 
 

@@ -56,7 +56,7 @@ def test_bf16_model_steps_fp32_main_weights():
     main = opt.main_params[0]
     assert main.dtype == torch.float32 and main is not w
     for it in range(3):
-        w.grad = torch.ones_like(w)
+        w.sum().backward()      # grad of ones, lands in the fp32 main_grad
         opt.step(it)
     # Adam moves each weight by ~lr per step: invisible in bf16 alone, kept in fp32 main weights
     assert main[0, 0].item() == pytest.approx(1.0 - 3e-4, rel=1e-3)

@@ -229,6 +229,9 @@ class StageModule(torch.nn.Module):
             self.decoder = _block(config, layer_spec(DEC_LAYER), n_dec)
         self.head = OutputHead(config, spec.vocab_size) if self.has_head else None
         mark_tensor_parallel_weights(self)
+        # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
+        # position embeddings and local-spec norms fp32); the loss is fp32 (OutputHead)
+        self.to(dtype=config.params_dtype)
 
     # ---- global parameter names (independent of TP/PP layout) ----
     def global_name(self, local_name: str) -> str:

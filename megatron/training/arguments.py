@@ -165,8 +165,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
     need(cfg.clip_grad >= 0, f"--clip-grad must be >= 0 (0 = off), got {cfg.clip_grad}")
     need(not (cfg.bf16 and cfg.fp16), "--bf16 and --fp16 are mutually exclusive")
-    need(not cfg.fp16, "--fp16 is not supported (it needs loss scaling); use --bf16 on GPU, "
-                       "or fp32 (the default, and the only choice on CPU)")
+    need(not cfg.fp16, "--fp16 is not supported (it needs loss scaling); use --bf16, or fp32 "
+                       "(the default)")
     need(cfg.tokenizer_type in TOKENIZER_TYPES,
          f"--tokenizer-type must be one of {TOKENIZER_TYPES}, got {cfg.tokenizer_type!r}")
     if cfg.tokenizer_type == "SentencePieceTokenizer":
@@ -195,10 +195,18 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> None:
             f"{cfg.pipeline_model_parallel_size} = {cfg.model_parallel_size}")
 
 
-def check_device_precision(cfg: TrainConfig, has_cuda: bool) -> None:
-    """bf16 runs on GPU only; CPU training is fp32."""
-    if cfg.bf16 and not has_cuda:
-        raise ConfigError("--bf16 needs a GPU; on CPU leave it out (training runs in fp32)")
+def check_device_precision(cfg: TrainConfig, has_cuda: bool,
+                           bf16_supported: bool | None = None) -> None:
+    """bf16 runs wherever the device computes it: CPU torch always does, a GPU must say so
+    (torch.cuda.is_bf16_supported(), asked when `bf16_supported` is None)."""
+    if not cfg.bf16 or not has_cuda:
+        return
+    if bf16_supported is None:
+        import torch
+        bf16_supported = torch.cuda.is_bf16_supported()
+    if not bf16_supported:
+        raise ConfigError("--bf16: this GPU does not support bfloat16 (torch.cuda."
+                          "is_bf16_supported() is False); leave --bf16 out to train in fp32")
 
 
 def flag(field_name: str) -> str:
@@ -261,7 +269,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global norm; 0 disables")
     g.add_argument("--train-iters", type=int, default=10)
-    g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 optimizer (GPU only)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations; fp32 main gradients, master weights "
+                        "and Adam state (CPU, or a GPU with bf16)")
     g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
     g.add_argument("--seed", type=int, default=1234)
 
@@ -298,12 +308,14 @@ def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | N
     """Parse and validate; a bad value exits with status 2 and a message naming the flag."""
     parser = build_parser(model)
     args = parser.parse_args(argv)
-    if has_cuda is None:
+    asked = has_cuda is None
+    if asked:
         import torch
         has_cuda = torch.cuda.is_available()
     try:
         cfg = config_from_args(model, args, has_cuda)
-        check_device_precision(cfg, has_cuda)
+        # a caller that names the device (tests) names one that computes bf16
+        check_device_precision(cfg, has_cuda, None if asked else True)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     return cfg

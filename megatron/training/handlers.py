@@ -19,8 +19,10 @@ State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
   watchdog catch a dead peer (a timed wait would block the host on NCCL), and the failure
   becomes a TransferError naming the peer. A send's tensors are released as
   soon as its Finish returns; a receive buffer is released by FreeBuffer.
-Parameter gradients accumulate in `.grad` over micro-batches; all_reduce_data_parallel_grads
-then sums them over the data-parallel group, giving the gradient of the global token mean.
+Parameter gradients accumulate in fp32 `main_grad`s (grad_buffer.GradBuffer) over micro-batches;
+Backward tells the buffer when a stage's last backward runs, so buckets are summed over the
+data-parallel group while it runs; all_reduce_data_parallel_grads waits for the rest, giving the
+gradient of the global token mean.
 """
 from __future__ import annotations
 
@@ -73,9 +75,10 @@ class PipelineRuntime:
 
     def __init__(self, rank_stages: Mapping[int, StageModule], batch_provider: BatchProvider,
                  pp_group=None, global_loss_tokens: int = 1, device: torch.device | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, grad_buffer=None):
         self.stages = dict(rank_stages)
         self.batch_keys = batch_keys(self.stages)
+        self.grad_buffer = grad_buffer     # GradBuffer told of each backward, or None
         # (towards higher pipeline ranks, towards lower ones); one group serves both if given
         self.p2p_groups = pp_group if isinstance(pp_group, tuple) else (pp_group, pp_group)
         self.pp_rank = dist.get_rank(self.p2p_groups[0]) if pp_group is not None else 0
@@ -197,7 +200,11 @@ class PipelineRuntime:
         else:
             self._fail(instr, f"no output gradient: nothing received and no local backward of "
                               f"stage {instr.stage + 1}")
+        if self.grad_buffer is not None:
+            self.grad_buffer.before_backward(instr.stage)
         torch.autograd.backward(outputs, grads)
+        if self.grad_buffer is not None:
+            self.grad_buffer.after_backward(instr.stage)
         if inputs:
             self.input_grads[key] = tuple(
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
@@ -299,15 +306,16 @@ class HandlerTable(dict):
 def make_handlers(rank_stages: Mapping[int, StageModule], batch_provider: BatchProvider,
                   pp_group=None, global_loss_tokens: int = 1,
                   device: torch.device | None = None,
-                  timeout_s: float | None = None) -> HandlerTable:
+                  timeout_s: float | None = None, grad_buffer=None) -> HandlerTable:
     """Handlers for every instruction type. `batch_provider(mb)` returns micro-batch mb's
     tensors (build_micro_batch; at least `table.runtime.batch_keys`, the keys this rank's
     stages read). `global_loss_tokens`: loss tokens of the whole global batch over all DP
     replicas. `timeout_s`: the process groups' timeout, named in transfer errors.
     Read results with global_mean_loss; call `table.runtime.reset(provider, tokens, order)`
-    before the next iteration."""
+    before the next iteration. `grad_buffer`: the rank's GradBuffer, to reduce gradients
+    during each stage's last backward."""
     return HandlerTable(PipelineRuntime(rank_stages, batch_provider, pp_group,
-                                        global_loss_tokens, device, timeout_s))
+                                        global_loss_tokens, device, timeout_s, grad_buffer))
 
 
 def run_plan(plan, table: HandlerTable) -> None:
@@ -323,22 +331,15 @@ def run_plan(plan, table: HandlerTable) -> None:
 
 # ---- reductions after the plan ----
 
-def all_reduce_data_parallel_grads(parameters) -> None:
-    """Sum parameter gradients over the data-parallel group (each replica's grads already
-    carry the 1 / global-loss-tokens factor, so the sum is the global token-mean gradient).
-    With sequence parallelism off (our setting), TP-replicated parameters (norms, biases of
-    row-parallel layers, position embeddings) get identical gradients on every TP rank from
-    megatron-core's own TP collectives, so no extra TP reduction is needed."""
-    if parallel_state.get_data_parallel_world_size() == 1:
-        return
-    group = parallel_state.get_data_parallel_group()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+def all_reduce_data_parallel_grads(grad_buffer) -> dict:
+    """Finish summing the fp32 main gradients over the data-parallel group: buckets not yet
+    launched during backward are launched, then all are waited for (GradBuffer.finish; no
+    extra flat copy). Each replica's grads already carry the 1 / global-loss-tokens factor, so
+    the sum is the global token-mean gradient. With sequence parallelism off (our setting),
+    TP-replicated parameters (norms, biases of row-parallel layers, position embeddings) get
+    identical gradients on every TP rank from megatron-core's own TP collectives, so no extra
+    TP reduction is needed. Returns GradBuffer.finish's stats."""
+    return grad_buffer.finish()
 
 
 def global_mean_loss(runtime: PipelineRuntime) -> tuple[float, int]:

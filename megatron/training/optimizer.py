@@ -1,12 +1,16 @@
 """AdamW with warm-up/decay and global-norm gradient clipping done in our code, so it works on
-CPU (megatron's clipping and distributed optimizer hard-code CUDA). Model parameters may be
-bf16; the optimizer then keeps fp32 main copies and steps those."""
+CPU (megatron's clipping and distributed optimizer hard-code CUDA). Gradients are the fp32
+`main_grad`s of grad_buffer.GradBuffer; model parameters may be bf16, the optimizer then keeps
+fp32 main copies and steps those. Norm, clipping, AdamW and the write-back run as foreach / fused
+kernels, with no per-parameter Python loop."""
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.distributed as dist
+
+from megatron.training.grad_buffer import GradBuffer
 
 
 def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
@@ -70,27 +74,34 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def global_grad_norm(params, grads, tp_rank: int = 0, group=None) -> float:
-    """L2 norm of the whole model's gradient: local squares summed, then all-reduced over the
-    model-parallel (TP x PP) `group`. DP replicas hold equal, already reduced gradients."""
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p, g in zip(params, grads):
-        if g is not None and counts_toward_norm(p, tp_rank):
-            total += g.detach().float().pow(2).sum()
+def total_grad_norm(grads, group=None, device=None) -> float:
+    """L2 norm over `grads` (one foreach kernel), all-reduced as a sum of squares over `group`;
+    `device` places the zero of a rank without gradients."""
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    total = local.pow(2)
     if group is not None and dist.is_initialized():
         dist.all_reduce(total, group=group)
     return float(total.sqrt())
 
 
+def global_grad_norm(params, grads, tp_rank: int = 0, group=None) -> float:
+    """L2 norm of the whole model's gradient: local squares summed, then all-reduced over the
+    model-parallel (TP x PP) `group`. DP replicas hold equal, already reduced gradients."""
+    return total_grad_norm([g for p, g in zip(params, grads)
+                            if g is not None and counts_toward_norm(p, tp_rank)], group)
+
+
 def clip_by_norm(grads, norm: float, max_norm: float) -> float:
-    """Scale gradients in place so their global norm is at most `max_norm`; returns the factor."""
+    """Scale gradients in place so their global norm is at most `max_norm` (one foreach kernel,
+    as torch.nn.utils.clip_grads_with_norm_, skipped when nothing is clipped); returns the
+    factor."""
     if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
         return 1.0
     factor = max_norm / (norm + 1e-6)
-    for g in grads:
-        if g is not None:
-            g.mul_(factor)
+    torch._foreach_mul_([g for g in grads if g is not None], factor)
     return factor
 
 
@@ -100,9 +111,16 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 class TrainOptimizer:
-    """AdamW over one rank's parameters, with the LR schedule and clipping in `step`."""
+    """AdamW over one rank's parameters, with the LR schedule and clipping in `step`.
 
-    def __init__(self, named_params, cfg, tp_rank: int = 0, norm_group=None):
+    Gradients come from each parameter's fp32 `main_grad` (grad_buffer.GradBuffer; one is built
+    here over `named_params` when none is given). The optimizer steps fp32 main weights: for an
+    fp32 parameter a tensor sharing its storage, for a bf16 one an fp32 copy that is written back
+    to the model after each step. Every main weight's `.grad` is its parameter's `main_grad`, so
+    clipping and AdamW run as foreach / fused kernels over the buffer without copies."""
+
+    def __init__(self, named_params, cfg, tp_rank: int = 0, norm_group=None,
+                 grad_buffer: GradBuffer | None = None):
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.norm_group = norm_group
@@ -110,15 +128,29 @@ class TrainOptimizer:
         if not named:
             raise ValueError("the optimizer got no trainable parameters for this rank")
         self.model_params = [p for _, p in named]
-        self.main_params = [p if p.dtype == torch.float32
-                            else p.detach().float().clone().requires_grad_(True)
+        self.grad_buffer = grad_buffer or GradBuffer({0: self.model_params})
+        missing = [n for n, p in named if getattr(p, "main_grad", None) is None]
+        if missing:
+            raise ValueError(f"parameters without a main_grad in the gradient buffer: "
+                             f"{missing[:5]}")
+        self.main_params = [(p.detach() if p.dtype == torch.float32
+                             else p.detach().float().clone()).requires_grad_(True)
                             for p in self.model_params]
+        for m, p in zip(self.main_params, self.model_params):
+            m.grad = p.main_grad
+        # bf16 parameters and their fp32 main copies, for the write-back after each step
+        self._half = [(p, m) for p, m in zip(self.model_params, self.main_params)
+                      if p.dtype != torch.float32]
+        self._grads = [p.main_grad for p in self.model_params]
+        self._norm_grads = [p.main_grad for p in self.model_params
+                            if counts_toward_norm(p, tp_rank)]
         decay = [m for (n, p), m in zip(named, self.main_params) if not no_weight_decay(n, p)]
         plain = [m for (n, p), m in zip(named, self.main_params) if no_weight_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": plain, "weight_decay": 0.0}]
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                      **adam_kernel(self.model_params[0].device))
         self.schedule = schedule_settings(cfg)
         self.num_steps = 0      # the scheduler's position: optimizer steps taken so far
 
@@ -139,12 +171,13 @@ class TrainOptimizer:
         self.num_steps = int(state["num_steps"])
 
     def step(self, iteration: int) -> dict:
-        """Clip, set the LR of `iteration`, step, and zero gradients. Returns grad norm and LR."""
-        grads = self._main_grads()
-        norm = global_grad_norm(self.model_params, grads, self.tp_rank, self.norm_group)
+        """Wait for the DP reduction, clip, set the LR of `iteration`, step, zero the main
+        gradients. Returns grad norm and LR."""
+        self.grad_buffer.finish()
+        norm = total_grad_norm(self._norm_grads, self.norm_group, self.grad_buffer.data.device)
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at iteration {iteration}")
-        clip_by_norm(grads, norm, self.cfg.clip_grad)
+        clip_by_norm(self._grads, norm, self.cfg.clip_grad)
         lr = self.lr_at(iteration)
         for group in self.adam.param_groups:
             group["lr"] = lr
@@ -155,32 +188,21 @@ class TrainOptimizer:
         return {"grad_norm": norm, "lr": lr}
 
     def zero_grad(self):
-        for p in self.model_params + self.main_params:
-            p.grad = None
-
-    def _main_grads(self):
-        grads = []
-        for p, m in zip(self.model_params, self.main_params):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.detach().float()
-            grads.append(m.grad)
-        return grads
+        self.grad_buffer.zero()
 
     @torch.no_grad()
     def _copy_main_to_model(self):
-        for p, m in zip(self.model_params, self.main_params):
-            if m is not p:
-                p.copy_(m)
+        if self._half:
+            torch._foreach_copy_([p for p, _ in self._half], [m for _, m in self._half])
 
     def state_dict(self) -> dict:
         """Adam moments, plus the fp32 main weights when the model itself is not fp32."""
         return {"adam": self.adam.state_dict(),
-                "main_params": [m.detach().clone() for p, m in
-                                zip(self.model_params, self.main_params) if m is not p]}
+                "main_params": [m.detach().clone() for _, m in self._half]}
 
     def load_state_dict(self, state: dict):
         self.adam.load_state_dict(state["adam"])
-        distinct = [m for p, m in zip(self.model_params, self.main_params) if m is not p]
+        distinct = [m for _, m in self._half]
         if len(distinct) != len(state["main_params"]):
             raise ValueError(f"checkpoint holds {len(state['main_params'])} fp32 main weights, "
                              f"this run keeps {len(distinct)} (did --bf16 change?)")
@@ -188,3 +210,11 @@ class TrainOptimizer:
             for m, saved in zip(distinct, state["main_params"]):
                 m.copy_(saved)
         self._copy_main_to_model()
+
+
+def adam_kernel(device: torch.device) -> dict:
+    """AdamW's implementation: the fused kernel where torch has one for the device (CUDA, CPU),
+    else the foreach one; never the per-parameter Python loop."""
+    if device.type in ("cuda", "cpu"):
+        return {"fused": True}
+    return {"foreach": True}

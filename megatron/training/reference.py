@@ -55,7 +55,9 @@ def gather_full_grads(rank_stages) -> dict[str, np.ndarray]:
     disagree, i.e. if the gradient all-reduce was skipped."""
     local = {}
     for name, param in stage_parameters(rank_stages):
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grad = getattr(param, "main_grad", None)   # GradBuffer's fp32 gradient, if any
+        grad = param.grad if grad is None else grad
+        grad = torch.zeros_like(param) if grad is None else grad
         local[name] = _full_tp_tensor(param, grad.detach()).float().cpu().numpy()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)

@@ -36,6 +36,7 @@ from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_gr
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers,
                                         micro_batch_order)
+from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
 from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
@@ -263,8 +264,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     stages = build_stages(cfg, spec, layout, stage_to_rank)
+    grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
+                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None)
     optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
-                               parallel_state.get_model_parallel_group())
+                               parallel_state.get_model_parallel_group(), grad_buffer)
     start = 0
     if cfg.load:
         start = agree_on_start(resume(cfg, data, stages, optimizer, layout), cfg.load, layout)
@@ -272,7 +275,8 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         checkpointing.prepare_save_dir(cfg.save, layout.rank)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
                              pp_group=pipeline_p2p_groups(),
-                             device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60)
+                             device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60,
+                             grad_buffer=grad_buffer)
     logger = TrainLogger(cfg.log_interval, cfg.tensorboard_dir,
                          enabled=layout.rank == 0 and verbose, stats_file=cfg.stats_file)
     finished = start >= cfg.train_iters
@@ -360,9 +364,10 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
         lambda mb: build_micro_batch(micro_batches[mb], samples, cfg.model, run.data.pad_id,
                                      keys),
         global_loss_tokens, micro_batch_order(plan))
+    run.optimizer.grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
     run.executor.run(plan)
     run.handlers.runtime.check_drained()
-    all_reduce_data_parallel_grads([p for _, p in stage_parameters(run.stages)])
+    all_reduce_data_parallel_grads(run.optimizer.grad_buffer)
     loss, _ = global_mean_loss(run.handlers.runtime)
     step = run.optimizer.step(iteration)
     slots, count = replica_totals(micro_batches, layout)

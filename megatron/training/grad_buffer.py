@@ -1,0 +1,191 @@
+"""Megatron's fp32 `main_grad`: one contiguous fp32 gradient buffer per rank, reduced over data
+parallel in buckets while the last micro-batch's backward still runs.
+
+Every trainable parameter gets `param.main_grad`, an fp32 view into the buffer. A
+post-accumulate-grad hook adds each new `param.grad` (bf16 or fp32) into `main_grad` and frees
+`param.grad`, so gradients accumulate over micro-batches in fp32 whatever the model dtype (fp32
+runs use the same path: 0 + g1 + g2 ... in fp32 is exactly what `.grad` accumulation does).
+
+Overlap: the plan says how many backwards each stage runs this iteration (`expect_backwards`);
+the handlers call `before_backward` / `after_backward` around each. During a stage's last
+backward a parameter's gradient is final once its hook fires; a bucket whose parameters are all
+final is all-reduced asynchronously on the data-parallel group. Buckets never span two stages and
+are launched in one fixed order (stages from last to first, parameters in reverse registration
+order, i.e. roughly the order backward produces them), so every replica issues the same
+collectives in the same order even if its autograd engine fires hooks in another order.
+`finish` launches whatever is left and waits for all of it.
+
+Why not megatron.core.distributed.DistributedDataParallel: in megatron-core 0.16.1 its
+_ParamAndGradBuffer allocates the grad buffer with `device=torch.cuda.current_device()`, so it
+cannot run on CPU / gloo, where this project's tests run; it also wraps one module per model
+chunk, where a rank here holds a dict of stage modules.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+MIN_BUCKET_NUMEL, MAX_BUCKET_NUMEL = 2 ** 18, 40_000_000
+
+
+def default_bucket_numel(total_numel: int) -> int:
+    """About 16 buckets per rank, so the reduction starts early in the last backward, but no
+    bucket under 1 MiB of fp32 (per-collective overhead) nor over Megatron's 40M elements."""
+    return min(MAX_BUCKET_NUMEL, max(MIN_BUCKET_NUMEL, total_numel // 16))
+
+
+@dataclass
+class Bucket:
+    """A contiguous slice [start, end) of the buffer holding the gradients of `params`
+    (all of one stage)."""
+
+    stage: int
+    start: int
+    end: int
+    params: list = field(default_factory=list)
+    arrived: set = field(default_factory=set)     # ids of params whose final grad is in
+    forced: bool = False                          # stage done: ready whatever arrived
+    work: object = None               # the async all-reduce once launched
+
+    @property
+    def ready(self) -> bool:
+        return self.forced or len(self.arrived) == len(self.params)
+
+
+def backwards_per_stage(instructions: Iterable) -> dict[int, int]:
+    """How many Backward instructions each stage has in one rank's plan."""
+    from dynapipe_ext.instructions import Backward
+    return dict(Counter(i.stage for i in instructions if isinstance(i, Backward)))
+
+
+class GradBuffer:
+    """fp32 main gradients of one rank's parameters, with bucketed, overlapped DP reduction
+    (see the module docstring). `stage_params`: stage index -> that stage's parameters."""
+
+    def __init__(self, stage_params: Mapping[int, Sequence[torch.nn.Parameter]], dp_group=None,
+                 bucket_numel: int | None = None, overlap: bool = True):
+        order = [(s, p) for s in sorted(stage_params, reverse=True)
+                 for p in reversed([p for p in stage_params[s] if p.requires_grad])]
+        if not order:
+            raise ValueError("the gradient buffer got no trainable parameters")
+        total = sum(p.numel() for _, p in order)
+        bucket_numel = default_bucket_numel(total) if bucket_numel is None else bucket_numel
+        if bucket_numel <= 0:
+            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        if len({id(p) for _, p in order}) != len(order):
+            raise ValueError("a parameter is listed twice (in two stages or twice in one)")
+        taken = [p for _, p in order if hasattr(p, "main_grad")]
+        if taken:
+            raise ValueError(f"{len(taken)} parameters already have a main_grad buffer (a "
+                             "second optimizer or GradBuffer on the same model?)")
+        self.dp_group = dp_group
+        self.overlap = overlap
+        self.data = torch.zeros(total, dtype=torch.float32, device=order[0][1].device)
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        offset = 0
+        for stage, param in order:
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or last.stage != stage or last.end - last.start >= bucket_numel:
+                last = Bucket(stage, offset, offset)
+                self.buckets.append(last)
+            param.main_grad = self.data[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+            last.end = offset
+            last.params.append(param)
+            self._bucket_of[id(param)] = last
+            param.register_post_accumulate_grad_hook(self._accumulate)
+        self._reset_iteration()
+        self._reduced = False                # finish done and no gradient arrived since
+        self.last_stats: dict = {}           # what the last `finish` returned
+
+    # ---- per iteration ----
+    def _reset_iteration(self) -> None:
+        self._remaining: dict[int, int] = {}
+        self._final: set[int] = set()
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.arrived.clear()
+            bucket.forced = False
+            bucket.work = None
+
+    def expect_backwards(self, counts: Mapping[int, int]) -> None:
+        """This iteration runs `counts[s]` backwards of stage s on this rank (from the plan:
+        backwards_per_stage). Without this call every bucket is reduced in `finish`."""
+        self._remaining = {s: int(n) for s, n in counts.items() if n > 0}
+
+    def before_backward(self, stage: int) -> None:
+        """Called just before a Backward of `stage`: is it the stage's last this iteration?"""
+        self._reduced = False
+        if stage not in self._remaining:
+            if stage in self._final:
+                raise RuntimeError(f"stage {stage} runs more backwards than the plan's "
+                                   "count; its gradients were already being reduced")
+            return
+        self._remaining[stage] -= 1
+        if self._remaining[stage] == 0:
+            del self._remaining[stage]
+            self._final.add(stage)
+
+    def after_backward(self, stage: int) -> None:
+        """Called when a Backward of `stage` returned: after its last one, parameters that got
+        no gradient are final too, so every bucket of the stage may go."""
+        if stage in self._final:
+            for bucket in self.buckets:
+                if bucket.stage == stage:
+                    bucket.forced = True
+            self._launch_ready()
+
+    def _accumulate(self, param: torch.Tensor) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self._reduced = False
+        bucket = self._bucket_of[id(param)]
+        if bucket.stage in self._final:
+            bucket.arrived.add(id(param))
+            if bucket.ready:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch ready buckets in the fixed order, stopping at the first that is not ready."""
+        if not self.overlap:
+            return
+        self._launch_until(lambda b: b.ready)
+
+    def _launch_until(self, can_go) -> None:
+        while self._next < len(self.buckets) and can_go(self.buckets[self._next]):
+            bucket = self.buckets[self._next]
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                bucket.work = dist.all_reduce(self.data[bucket.start:bucket.end],
+                                              group=self.dp_group, async_op=True)
+            self._next += 1
+
+    def finish(self) -> dict:
+        """Reduce what is not yet reduced, wait for every bucket; main grads then hold the
+        data-parallel sum. Returns {'launched_early': buckets launched before this call,
+        'buckets': all, 'wait_s': seconds spent here, 'called_at' / 'done_at': wall-clock
+        times of the call and of the end}. A second call with no new gradient in between
+        reduces nothing again (it would double the sum) and returns the same stats."""
+        if self._reduced:
+            return self.last_stats
+        called_at, start = time.time(), time.perf_counter()
+        early = self._next
+        self._launch_until(lambda b: True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
+                           "wait_s": time.perf_counter() - start, "called_at": called_at,
+                           "done_at": time.time()}
+        self._reset_iteration()
+        self._reduced = True
+        return self.last_stats
+
+    def zero(self) -> None:
+        """Clear every main gradient for the next iteration (one fill of the buffer)."""
+        self.data.zero_()
