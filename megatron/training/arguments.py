@@ -78,6 +78,7 @@ class TrainConfig:
     keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
     override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
+    debug: bool = False                         # a failure prints its traceback too
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -290,6 +291,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--stats-file", default=None,
                    help="append every iteration's numbers as a JSON line (rank 0)")
+    g.add_argument("--debug", action="store_true",
+                   help="on a failure print the traceback, not just the one-line error")
     return p
 
 
@@ -353,7 +356,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
         stats_file=args.stats_file, keep_last=args.keep_last,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        debug=args.debug)
 
 
 def config_field_names() -> list[str]:
