@@ -237,7 +237,7 @@ def test_training_flags_become_a_planner_config_that_plans(model):
             "--pipeline-schedule", "wave", "--micro-batching", "dynamic", "--check-plans"]
     argv += ["--seq-length", "128"] if model == "gpt" else [
         "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--decoder-num-layers", "4"]
-    cfg = parse_args(model, argv, has_cuda=False)
+    cfg = parse_args(model, argv + ["--train-iters", "4"], has_cuda=False)
     spec = ModelSpec(model, 4, 64, 4, 256, num_decoder_layers=4 if model == "t5" else 0)
     config = iteration_planner_config(cfg, spec, dp_size=1)
     assert (config.pp, config.dp, config.pipeline_schedule, config.check_plans) == \

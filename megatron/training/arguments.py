@@ -11,7 +11,7 @@ from dynapipe_ext.planners import PACKING_ALGORITHMS
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
 
 
@@ -78,6 +78,7 @@ class TrainConfig:
     keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
     override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
+    global_batch_size: int = 0                  # samples per global batch; 0 = token budget
     debug: bool = False                         # a failure prints its traceback too
 
     def __post_init__(self):
@@ -137,6 +138,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.max_position_embeddings >= longest,
          f"--max-position-embeddings {cfg.max_position_embeddings} is smaller than the longest "
          f"sequence ({longest} tokens)")
+    need(cfg.global_batch_size >= 0,
+         f"--global-batch-size must be > 0, got {cfg.global_batch_size}")
     need(cfg.tokens_per_global_batch >= cfg.seq_length,
          f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one sample of "
          f"--seq-length {cfg.seq_length}")
@@ -206,24 +209,43 @@ def flag(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
+GLOBAL_BATCH_HELP = (
+    "samples per global batch (all data-parallel replicas), Megatron's flag; an alternative to "
+    "--tokens-per-global-batch (give one, not both): the sampler takes exactly N samples per "
+    "global batch whatever their lengths, and dynamic micro-batching still cuts those N "
+    "samples into variable-size micro-batches")
+TOKENS_HELP = ("token budget of one global batch (all data-parallel replicas): the sampler "
+               "takes samples while their tokens fit; default 4096 when --global-batch-size "
+               "is not given")
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
-    """All flags; defaults give a tiny model that trains on CPU in seconds."""
+    """All flags. Like Megatron, the model size and --train-iters have no defaults; the T5-only
+    flags are hidden from GPT's --help (and rejected with a clear message if given)."""
     p = argparse.ArgumentParser(
         prog=f"pretrain_{model}.py",
         description=f"Train a {model.upper()} model on multi-task data with variable-size "
                     f"micro-batches (DynaPipe) on megatron-core.")
+    t5_only = (lambda text: text) if model == "t5" else (lambda text: argparse.SUPPRESS)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4,
-                   help="transformer layers (T5: encoder and decoder each, unless overridden)")
-    g.add_argument("--encoder-num-layers", type=int, default=None, help="T5 encoder layers")
-    g.add_argument("--decoder-num-layers", type=int, default=None, help="T5 decoder layers")
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="transformer layers, required" + (
+                       " (T5: encoder and decoder each, unless the two flags below are given)"
+                       if model == "t5" else ""))
+    g.add_argument("--encoder-num-layers", type=int, default=None,
+                   help=t5_only("T5 encoder layers"))
+    g.add_argument("--decoder-num-layers", type=int, default=None,
+                   help=t5_only("T5 decoder layers"))
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     g.add_argument("--seq-length", type=int, default=None,
-                   help="GPT: max tokens per sample (longer ones are truncated)")
-    g.add_argument("--encoder-seq-length", type=int, default=None, help="T5 encoder max tokens")
-    g.add_argument("--decoder-seq-length", type=int, default=None, help="T5 decoder max tokens")
+                   help="GPT: max tokens per sample (longer ones are truncated), default 512"
+                   if model == "gpt" else "T5: same as --encoder-seq-length")
+    g.add_argument("--encoder-seq-length", type=int, default=None,
+                   help=t5_only("T5 encoder max tokens, default 512"))
+    g.add_argument("--decoder-seq-length", type=int, default=None,
+                   help=t5_only("T5 decoder max tokens, default 128"))
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the longest sequence length")
 
@@ -234,8 +256,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
 
     g = p.add_argument_group("batches and planning")
-    g.add_argument("--tokens-per-global-batch", type=int, default=4096,
-                   help="token budget of one global batch (all data-parallel replicas)")
+    batch = g.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-global-batch", type=int, default=None, help=TOKENS_HELP)
+    batch.add_argument("--global-batch-size", type=int, default=None, help=GLOBAL_BATCH_HELP)
     g.add_argument("--micro-batching", choices=MICRO_BATCHING, default="dynamic")
     g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp")
     g.add_argument("--micro-batch-size", type=int, default=4,
@@ -255,13 +278,16 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters (at least the warm-up)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
+                   help="after warm-up: constant, linear or cosine from --lr to --min-lr over "
+                        "--lr-decay-iters, or inverse-square-root (lr x sqrt(warm-up / step), "
+                        "at least --min-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global norm; 0 disables")
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 optimizer (GPU only)")
     g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
     g.add_argument("--seed", type=int, default=1234)
@@ -317,6 +343,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
     if model == "t5":
         num_layers = args.encoder_num_layers or args.num_layers
         decoder_layers = args.decoder_num_layers or args.num_layers
+        if not (num_layers and decoder_layers):
+            raise ConfigError("the number of layers is required: --num-layers N (encoder and "
+                              "decoder each), or --encoder-num-layers and --decoder-num-layers")
         seq_length = args.encoder_seq_length or args.seq_length or 512
         dec_length = args.decoder_seq_length or 128
     else:
@@ -324,10 +353,17 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
             raise ConfigError("--encoder-num-layers, --decoder-num-layers and "
                               "--decoder-seq-length are T5 flags; GPT uses --num-layers and "
                               "--seq-length")
+        if not args.num_layers:
+            raise ConfigError("the number of layers is required: --num-layers N")
         num_layers, decoder_layers = args.num_layers, 0
         seq_length = args.seq_length or args.encoder_seq_length or 512
         dec_length = 0
     timeout = args.distributed_timeout_minutes or (30.0 if has_cuda else 2.0)
+    tokens = args.tokens_per_global_batch or 4096
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be > 0, got {args.global_batch_size}")
+    if args.global_batch_size:   # N samples: a token budget that N samples always fit in
+        tokens = args.global_batch_size * (seq_length + dec_length)
     return TrainConfig(
         model=model, num_layers=num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -338,7 +374,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=timeout,
-        tokens_per_global_batch=args.tokens_per_global_batch,
+        tokens_per_global_batch=tokens, global_batch_size=args.global_batch_size or 0,
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,

@@ -126,7 +126,8 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
     else:
         lengths = dataset.gpt_lengths(cfg.seq_length)
     sampler = GlobalBatchSampler(lengths, dataset.task_ids, cfg.tokens_per_global_batch,
-                                 seed=cfg.seed, task_names=dataset.task_names)
+                                 seed=cfg.seed, task_names=dataset.task_names,
+                                 max_samples_per_batch=cfg.global_batch_size or None)
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
                         cfg.decoder_seq_length, tokenizer.vocab_size)
 
