@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
 from dynapipe_ext.planners import PACKING_ALGORITHMS
+from megatron.data.blend import parse_data_path
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
@@ -63,7 +64,7 @@ class TrainConfig:
     fp16: bool
     seed: int
     # data and tokenizer
-    data_path: str
+    data_path: tuple    # Megatron's list: one prefix, or prefixes, or W1 P1 W2 P2 ...
     tokenizer_type: str
     vocab_file: str | None
     merge_file: str | None
@@ -80,6 +81,8 @@ class TrainConfig:
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
     global_batch_size: int = 0                  # samples per global batch; 0 = token budget
     debug: bool = False                         # a failure prints its traceback too
+    mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
+    mixing_temperature: float = 1.0
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -179,7 +182,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(cfg, name)
         need(path is None or os.path.isfile(path), f"--{flag(name)} {path}: no such file")
-    need(bool(cfg.data_path), "--data-path is required")
+    try:
+        parse_data_path(cfg.data_path)
+    except ValueError as exc:
+        problems.append(str(exc))
+    need(cfg.mixing_cap is None or cfg.mixing_cap >= 1,
+         f"--mixing-cap must be >= 1, got {cfg.mixing_cap}")
+    need(cfg.mixing_temperature > 0,
+         f"--mixing-temperature must be > 0, got {cfg.mixing_temperature}")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
@@ -293,8 +303,18 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", required=True,
-                   help="output prefix given to tools/preprocess_flan.py")
+    g.add_argument("--data-path", required=True, nargs="+",
+                   help="output prefix given to tools/preprocess_flan.py; Megatron's blend "
+                        "'W1 P1 W2 P2 ...' samples prefix Pi with share Wi / sum(W) (several "
+                        "prefixes without weights are mixed as one dataset); task names are "
+                        "merged across prefixes")
+    g.add_argument("--mixing-cap", type=int, default=None,
+                   help="FLAN's examples-proportional mixing (seqio): a task of n samples is "
+                        "drawn at a rate proportional to min(n, cap), within each weighted "
+                        "prefix; default no cap (rate proportional to n)")
+    g.add_argument("--mixing-temperature", type=float, default=1.0,
+                   help="rates proportional to min(n, cap) ** (1 / T); T > 1 flattens the "
+                        "mixture towards small tasks (default 1)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -385,7 +405,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, train_iters=args.train_iters, bf16=args.bf16,
-        fp16=args.fp16, seed=args.seed, data_path=args.data_path,
+        fp16=args.fp16, seed=args.seed, data_path=tuple(args.data_path),
         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         save=args.save, save_interval=args.save_interval, load=args.load,
@@ -393,7 +413,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         stats_file=args.stats_file, keep_last=args.keep_last,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        debug=args.debug)
+        debug=args.debug, mixing_cap=args.mixing_cap,
+        mixing_temperature=args.mixing_temperature)
 
 
 def config_field_names() -> list[str]:
