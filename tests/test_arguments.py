@@ -186,3 +186,13 @@ def test_lr_decay_styles_follow_megatron():
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert learning_rate(0, 1.0, 0.0, 0, 10, "inverse-square-root") == 1.0
     assert learning_rate(3, 1.0, 0.0, 0, 10, "inverse-square-root") == pytest.approx(0.5)
+
+
+def test_tensorboard_dir_says_how_to_get_tensorboard(capsys, tmp_path):
+    import importlib.util
+    argv = ["--tensorboard-dir", str(tmp_path / "tb")]
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert parse_args("gpt", BASE + argv, has_cuda=False).tensorboard_dir == argv[1]
+        return
+    err = parse_or_exit_message(capsys, "gpt", argv)
+    assert "tensorboard package is not installed" in err and "pip install tensorboard" in err

@@ -3,6 +3,7 @@ parsed into one typed, validated `TrainConfig` before anything else starts."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
@@ -190,6 +191,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--mixing-cap must be >= 1, got {cfg.mixing_cap}")
     need(cfg.mixing_temperature > 0,
          f"--mixing-temperature must be > 0, got {cfg.mixing_temperature}")
+    need(cfg.tensorboard_dir is None or importlib.util.find_spec("tensorboard") is not None,
+         f"--tensorboard-dir {cfg.tensorboard_dir}: the tensorboard package is not installed "
+         f"(requirements.txt leaves it out); install it with `pip install tensorboard` in "
+         f"this environment, or leave the flag out (--stats-file writes the same numbers)")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
@@ -334,7 +339,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on --load, keep the checkpoint's LR schedule settings")
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars here (needs `pip install tensorboard`, "
+                        "which requirements.txt leaves out)")
     g.add_argument("--stats-file", default=None,
                    help="append every iteration's numbers as a JSON line (rank 0)")
     g.add_argument("--debug", action="store_true",
