@@ -130,7 +130,10 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
         lengths = dataset.t5_lengths(cfg.seq_length, cfg.decoder_seq_length)
     else:
         lengths = dataset.gpt_lengths(cfg.seq_length)
-    sampler = batch_sampler(cfg, dataset, lengths, [w for w, _ in blend])
+    try:
+        sampler = batch_sampler(cfg, dataset, lengths, [w for w, _ in blend])
+    except ValueError as exc:   # e.g. a sample longer than the batch budget
+        raise RunSetupError(f"{where}: {exc}") from exc
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
                         cfg.decoder_seq_length, tokenizer.vocab_size)
 
