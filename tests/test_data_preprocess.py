@@ -208,6 +208,24 @@ def test_empty_inputs_are_written_by_default_and_empty_targets_stay_rejected(tmp
     assert f"{dump}:8: empty target" in capsys.readouterr().err
 
 
+def test_bigbench_samples_with_empty_inputs_are_all_written(tmp_path, capsys):
+    from megatron.data.bigbench_tasks import bigbench_samples
+    task = {"name": "bare", "example_input_prefix": "", "example_output_prefix": "",
+            "examples": [{"input": "", "target": f"answer {i}"} for i in range(3)]
+            + [{"input": "2+2", "target": "4"}]}
+    os.makedirs(tmp_path / "bb" / "bare")
+    (tmp_path / "bb" / "bare" / "task.json").write_text(json.dumps(task))
+    out = tmp_path / "bb.jsonl"
+    assert make_flan_sample.main(["--output", str(out), "--bigbench-dir", str(tmp_path / "bb"),
+                                  "--num-samples", "0"]) == 0
+    rows = list(bigbench_samples(str(tmp_path / "bb")))
+    assert sum(r["inputs"] == "" for r in rows) >= 3
+    prefix = str(tmp_path / "flan")
+    assert preprocess_flan.main(["--input", str(out), "--output-prefix", prefix,
+                                 "--no-progress"]) == 0
+    assert len(MultiTaskDataset(prefix)) == len(rows)
+
+
 def test_empty_file_and_unreadable_path(tmp_path, samples, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
