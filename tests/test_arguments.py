@@ -1,10 +1,12 @@
 """Command-line parsing and up-front validation of pretrain_gpt.py / pretrain_t5.py."""
+import numpy as np
 import pytest
 
 from megatron.training.arguments import (ConfigError, check_device_precision, check_world_size,
                                          parse_args)
 
-BASE = ["--data-path", "data/flan"]
+BASE = ["--data-path", "data/flan", "--num-layers", "4", "--hidden-size", "128",
+        "--num-attention-heads", "4", "--train-iters", "10"]
 
 
 def parse_or_exit_message(capsys, model, argv, has_cuda=False):
@@ -105,3 +107,93 @@ def test_cpu_timeout_default_is_short():
     assert parse_args("gpt", BASE, has_cuda=False).distributed_timeout_minutes <= 2
     assert parse_args("gpt", BASE + ["--distributed-timeout-minutes", "0.5"],
                       has_cuda=False).distributed_timeout_minutes == 0.5
+
+
+@pytest.mark.parametrize("missing", ["--num-layers", "--hidden-size", "--num-attention-heads",
+                                     "--train-iters"])
+def test_model_size_and_train_iters_are_required_like_megatron(capsys, missing):
+    argv = list(BASE)
+    at = argv.index(missing)
+    del argv[at:at + 2]
+    for model in ("gpt", "t5"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(model, argv, has_cuda=False)
+        assert exc.value.code == 2
+        assert missing in capsys.readouterr().err
+
+
+def test_t5_layers_can_come_from_the_encoder_and_decoder_flags(capsys):
+    argv = [a for a in BASE]
+    at = argv.index("--num-layers")
+    del argv[at:at + 2]
+    cfg = parse_args("t5", argv + ["--encoder-num-layers", "2", "--decoder-num-layers", "1",
+                                   "--pipeline-model-parallel-size", "3"], has_cuda=False)
+    assert (cfg.num_layers, cfg.decoder_num_layers) == (2, 1)
+    with pytest.raises(SystemExit):
+        parse_args("t5", argv + ["--encoder-num-layers", "2"], has_cuda=False)
+    assert "--decoder-num-layers" in capsys.readouterr().err
+
+
+def test_global_batch_size_in_samples_or_a_token_budget_not_both(capsys):
+    cfg = parse_args("gpt", BASE + ["--global-batch-size", "16", "--seq-length", "256"],
+                     has_cuda=False)
+    assert cfg.global_batch_size == 16 and cfg.tokens_per_global_batch == 16 * 256
+    t5 = parse_args("t5", BASE + ["--global-batch-size", "8", "--encoder-seq-length", "100",
+                                  "--decoder-seq-length", "20"], has_cuda=False)
+    assert t5.tokens_per_global_batch == 8 * 120
+    default = parse_args("gpt", BASE, has_cuda=False)
+    assert (default.global_batch_size, default.tokens_per_global_batch) == (0, 4096)
+    err = parse_or_exit_message(capsys, "gpt", ["--global-batch-size", "8",
+                                                "--tokens-per-global-batch", "4096"])
+    assert "not allowed with argument" in err
+    assert "--global-batch-size must be > 0" in parse_or_exit_message(
+        capsys, "gpt", ["--global-batch-size", "0"])
+
+
+def test_global_batch_size_makes_the_sampler_take_that_many_samples(tmp_path):
+    from megatron.data.sampler import GlobalBatchSampler
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 256, size=500)
+    cfg = parse_args("gpt", BASE + ["--global-batch-size", "12", "--seq-length", "256"],
+                     has_cuda=False)
+    sampler = GlobalBatchSampler(lengths, rng.integers(0, 3, size=500),
+                                 cfg.tokens_per_global_batch,
+                                 max_samples_per_batch=cfg.global_batch_size)
+    assert [len(sampler.batch(i)) for i in range(50)] == [12] * 50
+
+
+def test_help_shows_each_model_its_own_flags_and_the_batch_rule(capsys):
+    def help_text(model):
+        with pytest.raises(SystemExit):
+            parse_args(model, ["--help"], has_cuda=False)
+        return " ".join(capsys.readouterr().out.split())
+    gpt, t5 = help_text("gpt"), help_text("t5")
+    for t5_flag in ("--encoder-num-layers", "--decoder-num-layers", "--encoder-seq-length",
+                    "--decoder-seq-length"):
+        assert t5_flag not in gpt and t5_flag in t5
+    for text in (gpt, t5):
+        assert "--global-batch-size" in text and "give one, not both" in text
+        assert "inverse-square-root" in text and "--debug" in text
+
+
+def test_lr_decay_styles_follow_megatron():
+    from megatron.training.optimizer import learning_rate
+    cfg = parse_args("gpt", BASE + ["--lr-decay-style", "inverse-square-root"], has_cuda=False)
+    assert cfg.lr_decay_style == "inverse-square-root"
+    lrs = [learning_rate(i, 1.0, 0.1, 4, 100, "inverse-square-root") for i in range(400)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[15] == pytest.approx((4 / 16) ** 0.5) and lrs[99] == pytest.approx(0.2)
+    assert lrs[399] == 0.1   # floored at min_lr, no end of the decay
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert learning_rate(0, 1.0, 0.0, 0, 10, "inverse-square-root") == 1.0
+    assert learning_rate(3, 1.0, 0.0, 0, 10, "inverse-square-root") == pytest.approx(0.5)
+
+
+def test_tensorboard_dir_says_how_to_get_tensorboard(capsys, tmp_path):
+    import importlib.util
+    argv = ["--tensorboard-dir", str(tmp_path / "tb")]
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert parse_args("gpt", BASE + argv, has_cuda=False).tensorboard_dir == argv[1]
+        return
+    err = parse_or_exit_message(capsys, "gpt", argv)
+    assert "tensorboard package is not installed" in err and "pip install tensorboard" in err

@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 
 def tiny_config(*extra):
-    return parse_args("gpt", ["--data-path", "unused", "--num-layers", "2", "--hidden-size", "8",
+    return parse_args("gpt", ["--train-iters", "10",
+                              "--data-path", "unused", "--num-layers", "2", "--hidden-size", "8",
                               "--num-attention-heads", "2", "--lr", "0.01",
                               "--lr-warmup-iters", "2", *extra], has_cuda=False)
 

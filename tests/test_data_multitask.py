@@ -113,6 +113,22 @@ def test_t5_view(ds):
         assert lengths[i].tolist() == [len(t.encoder_ids), len(t.decoder_ids)]
 
 
+def test_empty_input_gpt_sees_the_target_only_and_t5_an_end_token(tmp_path):
+    ds = MultiTaskDataset(write_dataset(tmp_path / "zs", SAMPLES + [([], [4, 5, 6], 1),
+                                                                   ([], [8], 2)]))
+    s = ds.gpt_sample(4, seq_length=16)
+    assert s.tokens.tolist() == [4, 5, 6] and s.labels.tolist() == [5, 6, EOD]
+    assert s.loss_mask.tolist() == [1, 1, 1] and not s.truncated
+    one = ds.gpt_sample(5, seq_length=16)
+    assert (one.tokens.tolist(), one.labels.tolist(), one.loss_mask.tolist()) == ([8], [EOD],
+                                                                                  [1])
+    assert ds.gpt_lengths(16)[4:].tolist() == [3, 1]
+    t = ds.t5_sample(4, encoder_seq_length=8, decoder_seq_length=8)
+    assert t.encoder_ids.tolist() == [EOS]
+    assert t.decoder_ids.tolist() == [BOS, 4, 5, 6] and t.labels.tolist() == [4, 5, 6, EOS]
+    assert ds.t5_lengths(8, 8)[4:].tolist() == [[1, 4], [1, 2]]
+
+
 def test_t5_truncation_report_counts_each_side(ds):
     rep = ds.t5_truncation(encoder_seq_length=10, decoder_seq_length=5)
     assert rep["inputs_truncated"] == 2 and rep["targets_truncated"] == 2

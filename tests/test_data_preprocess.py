@@ -179,6 +179,53 @@ def test_target_that_tokenises_to_nothing_is_rejected(tmp_path, samples, capsys)
     assert summary["samples"]["rejected_by_reason"] == {"empty target": 1}
 
 
+def test_empty_inputs_are_written_by_default_and_empty_targets_stay_rejected(tmp_path, samples,
+                                                                            capsys):
+    rows = [make_flan_sample.to_dump_row(s, "_task_name") for s in samples[:30]]
+    for row in rows[::3]:   # zero-shot samples of real dumps: no inputs, a normal target
+        row["inputs"] = ""
+    rows[4]["inputs"] = "   "   # tokenises to no tokens, still valid
+    dump = tmp_path / "zs.jsonl"
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prefix = str(tmp_path / "flan")
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress"]) == 0
+    ds = MultiTaskDataset(prefix)
+    tokenizer = build_tokenizer("GPT2BPETokenizer")
+    assert len(ds) == 30
+    for i, row in enumerate(rows):
+        assert ds.input_ids(i).tolist() == tokenizer.encode(row["inputs"])
+        assert ds.target_ids(i).tolist() == tokenizer.encode(row["targets"])
+    assert (ds.input_lengths == 0).sum() >= 10
+    summary = json.load(open(dataset_paths(prefix)[1]["summary"]))
+    assert summary["samples"] == {"read": 30, "written": 30, "rejected": 0,
+                                  "rejected_by_reason": {}}
+    capsys.readouterr()
+    rows[7]["targets"] = ""
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress"]) == 2
+    assert f"{dump}:8: empty target" in capsys.readouterr().err
+
+
+def test_bigbench_samples_with_empty_inputs_are_all_written(tmp_path, capsys):
+    from megatron.data.bigbench_tasks import bigbench_samples
+    task = {"name": "bare", "example_input_prefix": "", "example_output_prefix": "",
+            "examples": [{"input": "", "target": f"answer {i}"} for i in range(3)]
+            + [{"input": "2+2", "target": "4"}]}
+    os.makedirs(tmp_path / "bb" / "bare")
+    (tmp_path / "bb" / "bare" / "task.json").write_text(json.dumps(task))
+    out = tmp_path / "bb.jsonl"
+    assert make_flan_sample.main(["--output", str(out), "--bigbench-dir", str(tmp_path / "bb"),
+                                  "--num-samples", "0"]) == 0
+    rows = list(bigbench_samples(str(tmp_path / "bb")))
+    assert sum(r["inputs"] == "" for r in rows) >= 3
+    prefix = str(tmp_path / "flan")
+    assert preprocess_flan.main(["--input", str(out), "--output-prefix", prefix,
+                                 "--no-progress"]) == 0
+    assert len(MultiTaskDataset(prefix)) == len(rows)
+
+
 def test_empty_file_and_unreadable_path(tmp_path, samples, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -61,9 +61,16 @@ BAD_LINES = [
     (json.dumps({"inputs": "a", "targets": "b", "task": "t", "_task_source": 5}),
      fr.NON_STRING_FIELD),
     (json.dumps({"inputs": "a", "targets": "", "task": "t"}), fr.EMPTY_TARGET),
-    (json.dumps({"inputs": "", "targets": "b", "task": "t"}), fr.EMPTY_INPUT),
 ]
 GOOD = json.dumps({"inputs": "a", "targets": "b", "task": "t"})
+
+
+def test_empty_input_with_a_target_is_a_valid_zero_shot_sample(tmp_path):
+    empty = json.dumps({"inputs": "", "targets": "b", "task": "t"})
+    recs, counts = read_all([write_lines(tmp_path / "d.jsonl", [GOOD, empty, GOOD])])
+    assert [(r.inputs, r.targets, r.line) for r in recs] == [("a", "b", 1), ("", "b", 2),
+                                                              ("a", "b", 3)]
+    assert counts.read == 3 and not counts.rejected
 
 
 @pytest.mark.parametrize("bad,reason", BAD_LINES)

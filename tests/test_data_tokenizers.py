@@ -155,7 +155,9 @@ def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
     preprocess_flan([str(dump)], prefix, spec, progress=False)
 
     def open_with(model):
-        cfg = parse_args("gpt", ["--data-path", prefix, "--tokenizer-type",
+        cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
+                                 "--num-attention-heads", "2", "--train-iters", "1",
+                                 "--data-path", prefix, "--tokenizer-type",
                                  "SentencePieceTokenizer", "--tokenizer-model", model],
                          has_cuda=False)
         return open_training_data(cfg, rank=0)

@@ -196,6 +196,26 @@ def test_pack_histogram_tool_prints_json(tmp_path):
                           "--histograms", str(path), "--name", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "no histogram named 'nope'" in bad.stderr
+    missing = subprocess.run([sys.executable, str(REPO / "tools/pack_histogram.py"),
+                              "--histograms", str(tmp_path / "absent.json"), "--name", "x"],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert f"--histograms {tmp_path / 'absent.json'}: no such file" in missing.stderr
+    assert "--from-dataset PREFIX" in missing.stderr
+
+
+def test_pack_histogram_tool_makes_the_histogram_from_a_dataset(tmp_path):
+    from megatron.data.multitask_dataset import MultiTaskDataset
+    from test_data_multitask import write_dataset
+    prefix = write_dataset(tmp_path / "mt")
+    out = subprocess.run([sys.executable, str(REPO / "tools/pack_histogram.py"),
+                          "--from-dataset", prefix, "--seq-length", "32", "--algorithm",
+                          "spfhp"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    lengths = MultiTaskDataset(prefix).gpt_lengths(32)
+    assert (result["sequences"], result["tokens"], result["row_len"]) == (
+        len(lengths), int(lengths.sum()), 32)
+    assert result["packs"] == pack_histogram(histogram_of(lengths, 32), 32, "spfhp").packs
 
 
 def worst_fit_decreasing_rows(lengths, row_len, reuse_new_packs=True):

@@ -56,7 +56,7 @@ def small_planner_config(model: str = "gpt"):
             "--micro-batching", "dynamic"]
     argv += ["--seq-length", "128"] if model == "gpt" else [
         "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--decoder-num-layers", "4"]
-    cfg = parse_args(model, argv, has_cuda=False)
+    cfg = parse_args(model, argv + ["--train-iters", "4"], has_cuda=False)
     spec = ModelSpec(model, 4, 64, 4, 256, num_decoder_layers=4 if model == "t5" else 0)
     return iteration_planner_config(cfg, spec, dp_size=1)
 

@@ -49,7 +49,9 @@ def test_clipping_scales_to_the_max_norm_and_leaves_small_gradients():
 
 
 def test_bf16_model_steps_fp32_main_weights():
-    cfg = parse_args("gpt", ["--data-path", "x", "--lr", "1e-4", "--weight-decay", "0",
+    cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads",
+                             "2", "--train-iters", "1",
+                             "--data-path", "x", "--lr", "1e-4", "--weight-decay", "0",
                              "--clip-grad", "0"], has_cuda=True)
     w = torch.nn.Parameter(torch.full((4, 4), 1.0, dtype=torch.bfloat16))
     opt = TrainOptimizer([("w", w)], cfg)
@@ -270,7 +272,9 @@ from megatron.training.training import (RunSetupError, agree_or_raise, build_run
 def setup_error(monkeypatch, model, argv, world_size=2, rank=1):
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    cfg = parse_args(model, argv, has_cuda=False)
+    model_flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
+                   "--train-iters", "2"]
+    cfg = parse_args(model, model_flags + argv, has_cuda=False)
     with pytest.raises((RunSetupError, ConfigError, ValueError)) as err:
         build_run(cfg)
     return str(err.value)

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Pack one length histogram of a histograms JSON file (format of
-shared/benchmarks/length_histograms.json: {name: {"max_len": S, "counts": [...]}}, counts[i] =
-number of sequences of length i + 1) and print one JSON object with the packing's figures."""
+"""Pack one length histogram and print one JSON object with the packing's figures. The
+histogram is either made on the fly from a preprocessed dataset (`--from-dataset PREFIX`: the
+GPT view's sample lengths at `--seq-length`), or read from a histograms JSON file
+(`--histograms F --name NAME`; format {name: {"max_len": S, "counts": [...]}}, counts[i] =
+number of sequences of length i + 1)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +15,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dynapipe_ext.packing import ALGORITHMS, count_next_fit_rows, pack_histogram  # noqa: E402
+from dynapipe_ext.packing import (ALGORITHMS, count_next_fit_rows, histogram_of,  # noqa: E402
+                                  pack_histogram)
+
+
+def dataset_histogram(prefix: str, seq_length: int) -> tuple[np.ndarray, int]:
+    """(hist indexed by length, seq_length) of the GPT view of the dataset at `prefix`."""
+    from megatron.data.multitask_dataset import MultiTaskDataset
+    try:
+        dataset = MultiTaskDataset(prefix)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--from-dataset {prefix}: {exc}") from None
+    return histogram_of(dataset.gpt_lengths(seq_length), seq_length), seq_length
 
 
 HISTOGRAMS_ENV = "DYNAPIPE_LENGTH_HISTOGRAMS"
@@ -33,6 +46,10 @@ def reference_histograms_path() -> Path | None:
 
 def load_histogram(path: Path, name: str) -> tuple[np.ndarray, int]:
     """(hist indexed by length, max_len) of entry `name` in a histograms JSON file."""
+    if not path.is_file():
+        raise SystemExit(f"--histograms {path}: no such file. Pack the lengths of a dataset "
+                         f"you have instead with --from-dataset PREFIX (e.g. data/quickstart/"
+                         f"flan after examples/quickstart.sh)")
     with open(path) as f:
         data = json.load(f)
     entries = [k for k, v in data.items() if isinstance(v, dict) and "counts" in v]
@@ -62,8 +79,14 @@ def next_fit_figures(hist: np.ndarray, row_len: int, max_depth: int | None,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--histograms", type=Path, required=True, help="histograms JSON file")
-    parser.add_argument("--name", required=True, help="histogram name in the file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-dataset", metavar="PREFIX",
+                        help="histogram of a preprocessed dataset's GPT sample lengths")
+    source.add_argument("--histograms", type=Path, help="histograms JSON file (with --name)")
+    parser.add_argument("--name", help="histogram name in the --histograms file")
+    parser.add_argument("--seq-length", type=int, default=512,
+                        help="with --from-dataset: samples are cut to this many tokens, and "
+                             "it is the default pack length (default 512)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="spfhp")
     parser.add_argument("--max-depth", type=int, default=None,
                         help="most sequences per pack (default: no limit; NNLSHP uses 3)")
@@ -72,7 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=1234, help="shuffle seed for nextfit")
     args = parser.parse_args(argv)
 
-    hist, max_len = load_histogram(args.histograms, args.name)
+    if args.histograms is not None:
+        if not args.name:
+            parser.error("--histograms needs --name")
+        hist, max_len = load_histogram(args.histograms, args.name)
+    else:
+        hist, max_len = dataset_histogram(args.from_dataset, args.seq_length)
+        args.name = args.from_dataset
+        args.histograms = args.from_dataset
     row_len = args.row_len or max_len
     try:
         if args.algorithm == "nextfit":

@@ -56,7 +56,8 @@ def find_task_files(root: str) -> list[tuple[str, str]]:
 
 
 def parse_example(raw: dict, path: str, index: int) -> Optional[BigBenchExample]:
-    """One example; None when it has no usable target (e.g. an empty target list)."""
+    """One example; None when it has no usable target (e.g. an empty target list). An empty
+    input is kept: with a target it is a valid zero-shot sample."""
     if not isinstance(raw, dict) or not isinstance(raw.get("input"), str):
         raise BigBenchError(f"{path}: example {index} has no string 'input'")
     scores = raw.get("target_scores")
@@ -68,7 +69,7 @@ def parse_example(raw: dict, path: str, index: int) -> Optional[BigBenchExample]
             target = max(scores, key=lambda c: scores[c])
     if isinstance(target, list):
         target = next((t for t in target if isinstance(t, str) and t.strip()), None)
-    if not isinstance(target, str) or not target.strip() or not raw["input"].strip():
+    if not isinstance(target, str) or not target.strip():
         return None
     return BigBenchExample(raw["input"], target, choices)
 

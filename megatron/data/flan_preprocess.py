@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from megatron.data.flan_indexed import TABLE_FORMAT, FlanDatasetWriter, dataset_files
-from megatron.data.flan_records import (EMPTY_INPUT, EMPTY_TARGET, BadInputError, FlanRecord,
+from megatron.data.flan_records import (EMPTY_TARGET, BadInputError, FlanRecord,
                                         ReadCounts, read_records)
 from megatron.data.tokenizers import build_tokenizer
 
@@ -204,11 +204,11 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
                    desc="tokenising")
         for rec, in_ids, tgt_ids in tokenized:
             bar.update(1)
-            empty = EMPTY_INPUT if in_ids.size == 0 else EMPTY_TARGET if tgt_ids.size == 0 else ""
-            if empty:
+            if tgt_ids.size == 0:   # an input of no tokens is fine (the view adds what it needs)
                 if not skip_bad:
-                    raise BadInputError(rec.path, rec.line, empty, "it tokenises to no tokens")
-                counts.reject(empty, f"{rec.path}:{rec.line}")
+                    raise BadInputError(rec.path, rec.line, EMPTY_TARGET,
+                                        "it tokenises to no tokens")
+                counts.reject(EMPTY_TARGET, f"{rec.path}:{rec.line}")
                 continue
             tid = registry.add(rec)
             writer.add(in_ids, tgt_ids, tid)

@@ -1,7 +1,9 @@
 """Reading FLANv2-style multi-task dumps (.jsonl, .jsonl.gz, .parquet) into validated records.
 
 Every line (or parquet row) read is either a `FlanRecord` or a `Rejection` with a reason, so
-callers can account for all of them: read = written + rejected."""
+callers can account for all of them: read = written + rejected. An empty `inputs` with a
+non-empty target is a valid sample (real dumps hold zero-shot samples like that); an empty
+target is bad input, since there is nothing to train on."""
 from __future__ import annotations
 
 import gzip
@@ -25,8 +27,7 @@ INVALID_UTF8 = "invalid utf-8"
 NOT_AN_OBJECT = "not a JSON object"
 MISSING_FIELD = "missing field"
 NON_STRING_FIELD = "non-string field"
-EMPTY_INPUT = "empty input"
-EMPTY_TARGET = "empty target"
+EMPTY_TARGET = "empty target"   # nothing to train on; an empty input is a valid zero-shot sample
 # Per-file rejection reasons.
 UNREADABLE_FILE = "unreadable file"
 EMPTY_FILE = "empty file"
@@ -136,9 +137,7 @@ def parse_row(row: object, path: str, line: int,
             return Rejection(path, line, NON_STRING_FIELD,
                              f"{key!r} is {type(value).__name__}, not a string")
         optional[names[0]] = value
-    if row["inputs"] == "":
-        return Rejection(path, line, EMPTY_INPUT)
-    if row["targets"] == "":
+    if row["targets"] == "":   # an empty "inputs" is valid (a zero-shot sample: target only)
         return Rejection(path, line, EMPTY_TARGET)
     return FlanRecord(row["inputs"], row["targets"], row[task_key],
                       optional["_task_source"], optional["_template_type"], path, line)

@@ -3,7 +3,8 @@
 A sample is (input ids, target ids, task id). GPT view: the sequence input ++ target ++ [eod];
 the model reads all but its last token and predicts all but its first, loss on the target
 (+eod) predictions by default. T5 view: encoder = input; decoder = [bos] + target;
-labels = target + [eos]."""
+labels = target + [eos]. The input may be empty (a zero-shot sample): GPT then sees the target
+only (target ++ [eod], loss on every prediction), T5 an encoder input of just [eos]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ class MultiTaskDataset:
         truncated = keep_in < len(inp) or len(seq) < len(inp) + len(tgt) + 1
         loss_mask = np.ones(len(seq) - 1, dtype=np.float32)
         if not loss_on_all_tokens:
-            loss_mask[:keep_in - 1] = 0.0
+            loss_mask[:max(keep_in - 1, 0)] = 0.0
         return GPTSample(seq[:-1], seq[1:], loss_mask, self.task_id(i), bool(truncated))
 
     def gpt_truncation(self, seq_length: int) -> dict:
@@ -137,11 +138,13 @@ class MultiTaskDataset:
     # ---- T5 view --------------------------------------------------------------------------
     def t5_lengths(self, encoder_seq_length: int, decoder_seq_length: int) -> np.ndarray:
         """(n, 2) encoder and decoder lengths of every sample in the T5 view."""
-        return np.stack([np.minimum(self.input_lengths, encoder_seq_length),
+        return np.stack([np.clip(self.input_lengths, 1, encoder_seq_length),
                          np.minimum(self.target_lengths + 1, decoder_seq_length)], axis=1)
 
     def t5_sample(self, i: int, encoder_seq_length: int, decoder_seq_length: int) -> T5Sample:
         inp, tgt = self.input_ids(i), self.target_ids(i)
+        if len(inp) == 0:   # a zero-shot sample: the encoder reads just the end token
+            inp = np.array([self.eos], dtype=np.int64)
         decoder = np.concatenate([[self.bos], tgt])[:decoder_seq_length]
         labels = np.concatenate([tgt, [self.eos]])[:decoder_seq_length]
         truncated = len(inp) > encoder_seq_length or len(tgt) + 1 > decoder_seq_length

@@ -31,16 +31,30 @@ def mixing_rates(task_ids: np.ndarray, num_tasks: Optional[int] = None,
     return weights / weights.sum()
 
 
+def given_rates(rates: Sequence[float], task_ids: np.ndarray) -> np.ndarray:
+    """Checked, normalised explicit rates: one per task id, > 0 only where samples exist."""
+    rates = np.asarray(rates, dtype=np.float64)
+    counts = np.bincount(task_ids, minlength=len(rates))
+    if len(counts) != len(rates) or (rates < 0).any() or rates.sum() <= 0:
+        raise ValueError(f"rates must be {len(counts)} non-negative numbers, not all 0")
+    if (rates[counts == 0] > 0).any():
+        raise ValueError("a rate > 0 for a task without samples")
+    return rates / rates.sum()
+
+
 class GlobalBatchSampler:
     """Global batches of sample indices under a token budget, over a task mixture.
 
     sample_lengths: (n,) tokens per sample (GPT view), or (n, 2) encoder and decoder tokens
-    (T5 view; both count toward the budget). Lengths are after truncation."""
+    (T5 view; both count toward the budget). Lengths are after truncation. `rates` replaces
+    the mixing rates of the task ids (a blend passes one rate per (dataset, task) stream and
+    those stream ids as `task_ids`, see megatron/data/blend.py)."""
 
     def __init__(self, sample_lengths: Sequence, task_ids: Sequence, tokens_per_global_batch: int,
                  seed: int = 1234, mixing_cap: Optional[int] = None, temperature: float = 1.0,
                  max_samples_per_batch: Optional[int] = None,
-                 task_names: Optional[Sequence[str]] = None):
+                 task_names: Optional[Sequence[str]] = None,
+                 rates: Optional[Sequence[float]] = None):
         lengths = np.asarray(sample_lengths, dtype=np.int64)
         self.costs = lengths.sum(axis=1) if lengths.ndim == 2 else lengths
         self.task_ids = np.asarray(task_ids, dtype=np.int64)
@@ -52,7 +66,8 @@ class GlobalBatchSampler:
         self.max_samples_per_batch = max_samples_per_batch
         num_tasks = len(task_names) if task_names is not None else None
         self.task_names = list(task_names) if task_names is not None else None
-        self.rates = mixing_rates(self.task_ids, num_tasks, mixing_cap, temperature)
+        self.rates = (mixing_rates(self.task_ids, num_tasks, mixing_cap, temperature)
+                      if rates is None else given_rates(rates, self.task_ids))
         self._members = [np.flatnonzero(self.task_ids == t) for t in range(len(self.rates))]
         self._check_budget()
         self._block_starts: list[np.ndarray] = [np.zeros(len(self.rates), dtype=np.int64)]

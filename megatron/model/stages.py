@@ -110,6 +110,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         persist_layer_norm=False,
         apply_rope_fusion=False,
         sequence_parallel=False,
+        cuda_graph_scope=[],   # no CUDA graphs; silences megatron-core's "full scope" warning
     )
     set_recompute(config, recompute)
     return config

@@ -3,15 +3,17 @@ parsed into one typed, validated `TrainConfig` before anything else starts."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
 from dynapipe_ext.planners import PACKING_ALGORITHMS
+from megatron.data.blend import parse_data_path
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
 
 
@@ -63,7 +65,7 @@ class TrainConfig:
     fp16: bool
     seed: int
     # data and tokenizer
-    data_path: str
+    data_path: tuple    # Megatron's list: one prefix, or prefixes, or W1 P1 W2 P2 ...
     tokenizer_type: str
     vocab_file: str | None
     merge_file: str | None
@@ -78,6 +80,10 @@ class TrainConfig:
     keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
     override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
+    global_batch_size: int = 0                  # samples per global batch; 0 = token budget
+    debug: bool = False                         # a failure prints its traceback too
+    mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
+    mixing_temperature: float = 1.0
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -136,6 +142,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.max_position_embeddings >= longest,
          f"--max-position-embeddings {cfg.max_position_embeddings} is smaller than the longest "
          f"sequence ({longest} tokens)")
+    need(cfg.global_batch_size >= 0,
+         f"--global-batch-size must be > 0, got {cfg.global_batch_size}")
     need(cfg.tokens_per_global_batch >= cfg.seq_length,
          f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one sample of "
          f"--seq-length {cfg.seq_length}")
@@ -175,7 +183,18 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(cfg, name)
         need(path is None or os.path.isfile(path), f"--{flag(name)} {path}: no such file")
-    need(bool(cfg.data_path), "--data-path is required")
+    try:
+        parse_data_path(cfg.data_path)
+    except ValueError as exc:
+        problems.append(str(exc))
+    need(cfg.mixing_cap is None or cfg.mixing_cap >= 1,
+         f"--mixing-cap must be >= 1, got {cfg.mixing_cap}")
+    need(cfg.mixing_temperature > 0,
+         f"--mixing-temperature must be > 0, got {cfg.mixing_temperature}")
+    need(cfg.tensorboard_dir is None or importlib.util.find_spec("tensorboard") is not None,
+         f"--tensorboard-dir {cfg.tensorboard_dir}: the tensorboard package is not installed "
+         f"(requirements.txt leaves it out); install it with `pip install tensorboard` in "
+         f"this environment, or leave the flag out (--stats-file writes the same numbers)")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
@@ -213,24 +232,43 @@ def flag(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
+GLOBAL_BATCH_HELP = (
+    "samples per global batch (all data-parallel replicas), Megatron's flag; an alternative to "
+    "--tokens-per-global-batch (give one, not both): the sampler takes exactly N samples per "
+    "global batch whatever their lengths, and dynamic micro-batching still cuts those N "
+    "samples into variable-size micro-batches")
+TOKENS_HELP = ("token budget of one global batch (all data-parallel replicas): the sampler "
+               "takes samples while their tokens fit; default 4096 when --global-batch-size "
+               "is not given")
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
-    """All flags; defaults give a tiny model that trains on CPU in seconds."""
+    """All flags. Like Megatron, the model size and --train-iters have no defaults; the T5-only
+    flags are hidden from GPT's --help (and rejected with a clear message if given)."""
     p = argparse.ArgumentParser(
         prog=f"pretrain_{model}.py",
         description=f"Train a {model.upper()} model on multi-task data with variable-size "
                     f"micro-batches (DynaPipe) on megatron-core.")
+    t5_only = (lambda text: text) if model == "t5" else (lambda text: argparse.SUPPRESS)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4,
-                   help="transformer layers (T5: encoder and decoder each, unless overridden)")
-    g.add_argument("--encoder-num-layers", type=int, default=None, help="T5 encoder layers")
-    g.add_argument("--decoder-num-layers", type=int, default=None, help="T5 decoder layers")
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="transformer layers, required" + (
+                       " (T5: encoder and decoder each, unless the two flags below are given)"
+                       if model == "t5" else ""))
+    g.add_argument("--encoder-num-layers", type=int, default=None,
+                   help=t5_only("T5 encoder layers"))
+    g.add_argument("--decoder-num-layers", type=int, default=None,
+                   help=t5_only("T5 decoder layers"))
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     g.add_argument("--seq-length", type=int, default=None,
-                   help="GPT: max tokens per sample (longer ones are truncated)")
-    g.add_argument("--encoder-seq-length", type=int, default=None, help="T5 encoder max tokens")
-    g.add_argument("--decoder-seq-length", type=int, default=None, help="T5 decoder max tokens")
+                   help="GPT: max tokens per sample (longer ones are truncated), default 512"
+                   if model == "gpt" else "T5: same as --encoder-seq-length")
+    g.add_argument("--encoder-seq-length", type=int, default=None,
+                   help=t5_only("T5 encoder max tokens, default 512"))
+    g.add_argument("--decoder-seq-length", type=int, default=None,
+                   help=t5_only("T5 decoder max tokens, default 128"))
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the longest sequence length")
 
@@ -241,8 +279,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
 
     g = p.add_argument_group("batches and planning")
-    g.add_argument("--tokens-per-global-batch", type=int, default=4096,
-                   help="token budget of one global batch (all data-parallel replicas)")
+    batch = g.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-global-batch", type=int, default=None, help=TOKENS_HELP)
+    batch.add_argument("--global-batch-size", type=int, default=None, help=GLOBAL_BATCH_HELP)
     g.add_argument("--micro-batching", choices=MICRO_BATCHING, default="dynamic")
     g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp")
     g.add_argument("--micro-batch-size", type=int, default=4,
@@ -262,13 +301,16 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters (at least the warm-up)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
+                   help="after warm-up: constant, linear or cosine from --lr to --min-lr over "
+                        "--lr-decay-iters, or inverse-square-root (lr x sqrt(warm-up / step), "
+                        "at least --min-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global norm; 0 disables")
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations; fp32 main gradients, master weights "
                         "and Adam state (CPU, or a GPU with bf16)")
@@ -276,8 +318,18 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", required=True,
-                   help="output prefix given to tools/preprocess_flan.py")
+    g.add_argument("--data-path", required=True, nargs="+",
+                   help="output prefix given to tools/preprocess_flan.py; Megatron's blend "
+                        "'W1 P1 W2 P2 ...' samples prefix Pi with share Wi / sum(W) (several "
+                        "prefixes without weights are mixed as one dataset); task names are "
+                        "merged across prefixes")
+    g.add_argument("--mixing-cap", type=int, default=None,
+                   help="FLAN's examples-proportional mixing (seqio): a task of n samples is "
+                        "drawn at a rate proportional to min(n, cap), within each weighted "
+                        "prefix; default no cap (rate proportional to n)")
+    g.add_argument("--mixing-temperature", type=float, default=1.0,
+                   help="rates proportional to min(n, cap) ** (1 / T); T > 1 flattens the "
+                        "mixture towards small tasks (default 1)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -297,9 +349,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on --load, keep the checkpoint's LR schedule settings")
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars here (needs `pip install tensorboard`, "
+                        "which requirements.txt leaves out)")
     g.add_argument("--stats-file", default=None,
                    help="append every iteration's numbers as a JSON line (rank 0)")
+    g.add_argument("--debug", action="store_true",
+                   help="on a failure print the traceback, not just the one-line error")
     return p
 
 
@@ -326,6 +382,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
     if model == "t5":
         num_layers = args.encoder_num_layers or args.num_layers
         decoder_layers = args.decoder_num_layers or args.num_layers
+        if not (num_layers and decoder_layers):
+            raise ConfigError("the number of layers is required: --num-layers N (encoder and "
+                              "decoder each), or --encoder-num-layers and --decoder-num-layers")
         seq_length = args.encoder_seq_length or args.seq_length or 512
         dec_length = args.decoder_seq_length or 128
     else:
@@ -333,10 +392,17 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
             raise ConfigError("--encoder-num-layers, --decoder-num-layers and "
                               "--decoder-seq-length are T5 flags; GPT uses --num-layers and "
                               "--seq-length")
+        if not args.num_layers:
+            raise ConfigError("the number of layers is required: --num-layers N")
         num_layers, decoder_layers = args.num_layers, 0
         seq_length = args.seq_length or args.encoder_seq_length or 512
         dec_length = 0
     timeout = args.distributed_timeout_minutes or (30.0 if has_cuda else 2.0)
+    tokens = args.tokens_per_global_batch or 4096
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be > 0, got {args.global_batch_size}")
+    if args.global_batch_size:   # N samples: a token budget that N samples always fit in
+        tokens = args.global_batch_size * (seq_length + dec_length)
     return TrainConfig(
         model=model, num_layers=num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -347,7 +413,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=timeout,
-        tokens_per_global_batch=args.tokens_per_global_batch,
+        tokens_per_global_batch=tokens, global_batch_size=args.global_batch_size or 0,
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
@@ -358,14 +424,16 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, train_iters=args.train_iters, bf16=args.bf16,
-        fp16=args.fp16, seed=args.seed, data_path=args.data_path,
+        fp16=args.fp16, seed=args.seed, data_path=tuple(args.data_path),
         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         save=args.save, save_interval=args.save_interval, load=args.load,
         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
         stats_file=args.stats_file, keep_last=args.keep_last,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        debug=args.debug, mixing_cap=args.mixing_cap,
+        mixing_temperature=args.mixing_temperature)
 
 
 def config_field_names() -> list[str]:

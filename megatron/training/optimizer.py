@@ -15,9 +15,13 @@ from megatron.training.grad_buffer import GradBuffer
 
 def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
                   decay_iters: int, decay_style: str) -> float:
-    """LR for step `iteration` (0-based): linear warm-up to `lr`, then decay to `min_lr`."""
+    """LR for step `iteration` (0-based): linear warm-up to `lr`, then decay to `min_lr`
+    (Megatron's styles; inverse-square-root falls as lr * sqrt(warm-up / steps done), never
+    below min_lr and without an end)."""
     if warmup_iters and iteration < warmup_iters:
         return lr * (iteration + 1) / warmup_iters
+    if decay_style == "inverse-square-root":
+        return max(min_lr, lr * math.sqrt(max(warmup_iters, 1) / (iteration + 1)))
     if decay_style == "constant" or decay_iters <= warmup_iters:
         return lr
     progress = min(1.0, (iteration - warmup_iters) / (decay_iters - warmup_iters))

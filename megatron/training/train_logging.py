@@ -88,8 +88,8 @@ def open_tensorboard(directory: str | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        print(f"[train] --tensorboard-dir {directory}: tensorboard is not installed; "
-              f"scalars are only printed", file=sys.stderr)
+        print(f"[train] --tensorboard-dir {directory}: tensorboard is not installed "
+              f"(pip install tensorboard); scalars are only printed", file=sys.stderr)
         return None
     return SummaryWriter(log_dir=directory)
 

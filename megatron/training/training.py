@@ -23,6 +23,7 @@ from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                              pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
+from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler
 from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
@@ -101,9 +102,13 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
     """Open the dataset and check it against the tokenizer; no collective is involved."""
-    where = f"rank {rank}: --data-path {cfg.data_path}"
+    where = f"rank {rank}: --data-path {' '.join(cfg.data_path)}"
+    blend = parse_data_path(cfg.data_path)
     try:
-        dataset = MultiTaskDataset(cfg.data_path)
+        if len(blend) == 1 and blend[0][0] is None:
+            dataset = MultiTaskDataset(blend[0][1])
+        else:
+            dataset = BlendedMultiTaskDataset([prefix for _, prefix in blend])
     except (OSError, ValueError) as exc:
         raise RunSetupError(f"{where}: {exc}") from exc
     tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
@@ -126,10 +131,26 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
         lengths = dataset.t5_lengths(cfg.seq_length, cfg.decoder_seq_length)
     else:
         lengths = dataset.gpt_lengths(cfg.seq_length)
-    sampler = GlobalBatchSampler(lengths, dataset.task_ids, cfg.tokens_per_global_batch,
-                                 seed=cfg.seed, task_names=dataset.task_names)
+    try:
+        sampler = batch_sampler(cfg, dataset, lengths, [w for w, _ in blend])
+    except ValueError as exc:   # e.g. a sample longer than the batch budget
+        raise RunSetupError(f"{where}: {exc}") from exc
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
                         cfg.decoder_seq_length, tokenizer.vocab_size)
+
+
+def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarray,
+                  weights: list) -> GlobalBatchSampler:
+    """Global batches over one dataset's tasks, or over a blend's (prefix, task) streams."""
+    common = dict(seed=cfg.seed, max_samples_per_batch=cfg.global_batch_size or None)
+    if not isinstance(dataset, BlendedMultiTaskDataset):
+        return GlobalBatchSampler(lengths, dataset.task_ids, cfg.tokens_per_global_batch,
+                                  mixing_cap=cfg.mixing_cap, temperature=cfg.mixing_temperature,
+                                  task_names=dataset.task_names, **common)
+    names = [f"{name} ({part.prefix})" for part in dataset.parts for name in part.task_names]
+    rates = stream_rates(dataset, weights, cfg.mixing_cap, cfg.mixing_temperature)
+    return GlobalBatchSampler(lengths, dataset.stream_ids, cfg.tokens_per_global_batch,
+                              task_names=names, rates=rates, **common)
 
 
 # ---------------------------------------------------------------------------- model
