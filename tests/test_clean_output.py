@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from test_training import REPO, env_with_repo, free_port_pair, sp_dataset  # noqa: F401
+from tests.multiproc import free_port
+from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "128", "--tokens-per-global-batch", "1024",
@@ -19,7 +20,7 @@ def launch(args, nproc=1, timeout=240):
         cmd = [sys.executable, "pretrain_gpt.py", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "pretrain_gpt.py", *args]
     return subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
                           timeout=timeout)

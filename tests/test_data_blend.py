@@ -13,7 +13,8 @@ from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream
 from megatron.data.sampler import GlobalBatchSampler, mixing_rates
 from megatron.training.arguments import parse_args
 from test_data_multitask import write_dataset
-from test_training import REPO, env_with_repo, free_port_pair, run_tool, sp_dataset  # noqa: F401
+from tests.multiproc import free_port
+from tests.test_training import REPO, env_with_repo, run_tool, sp_dataset  # noqa: F401
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
          "--train-iters", "2", "--seq-length", "128"]
@@ -125,7 +126,7 @@ def test_blended_run_trains(two_prefixes, tmp_path):
     a, b, tokenizer = two_prefixes
     stats = tmp_path / "stats.jsonl"
     env = dict(env_with_repo(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL, *tokenizer,
                            "--data-path", "0.3", a, "0.7", b, "--mixing-cap", "20",
                            "--global-batch-size", "6", "--num-planner-workers", "0",
