@@ -215,6 +215,19 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert resumed == train_steps(ref_model, ref_opt, 2, 4)
 
 
+def test_keep_last_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4], "--save", str(tmp_path), "--keep-last", "2")
+    truncate(ckpt.rank_file(str(tmp_path), 4, 0))
+    model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning, match="set aside"):
+        assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
+    train_steps(model, opt, 2, 3)
+    ckpt.save_checkpoint(str(tmp_path), 3, [model], opt, {"consumed_samples": 3}, cfg, 0, 1)
+    # the unreadable iteration 4 neither counts as one of the newest two nor is deleted
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003",
+                                            "iter_0000004.abandoned", ckpt.LATEST]
+
+
 def test_every_checkpoint_unreadable_is_a_clear_error_naming_each_file(tmp_path):
     cfg, _, _ = saved_run(tmp_path, [2, 4])
     truncate(ckpt.rank_file(str(tmp_path), 4, 0))

@@ -147,6 +147,28 @@ def prune_checkpoints(directory: str, latest: int, keep_last: int) -> list[int]:
     return old
 
 
+ABANDONED_SUFFIX = ".abandoned"
+
+
+def set_aside_newer(directory: str, iteration: int) -> list[str]:
+    """Rename the iteration directories newer than `iteration` (the one a run fell back to) to
+    `iter_N.abandoned`: they belong to a history this run does not continue. Kept, never deleted,
+    but no longer loaded or counted by --keep-last (which would otherwise keep an unreadable
+    newer checkpoint and delete the good one this run resumed from). Returns the new names."""
+    moved = []
+    for newer in (i for i in complete_iterations(directory, 10 ** 9) if i > iteration):
+        src = iteration_dir(directory, newer)
+        dst, n = src + ABANDONED_SUFFIX, 1
+        while os.path.exists(dst):
+            dst, n = f"{src}{ABANDONED_SUFFIX}{n}", n + 1
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            continue    # another rank on the same file system renamed it first
+        moved.append(dst)
+    return moved
+
+
 def python_rng_state() -> dict:
     version, internal, gauss_next = random.getstate()
     return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
@@ -399,6 +421,11 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
     read (all ranks must call it). Returns (completed iterations, sampler state)."""
     iteration, state = choose_checkpoint(directory, cfg, rank, world_size)
     path = rank_file(directory, iteration, rank)
+    if cfg.save and iteration < latest_iteration(directory) and \
+            os.path.realpath(cfg.save) == os.path.realpath(directory):
+        for moved in set_aside_newer(directory, iteration):
+            warnings.warn(f"rank {rank}: set aside {moved} (newer than the checkpoint this run "
+                          f"resumes from)", CheckpointFallbackWarning, stacklevel=2)
     if len(state["model"]) != len(modules):
         raise CheckpointError(f"{path}: holds {len(state['model'])} stage modules, this rank "
                               f"builds {len(modules)}")
