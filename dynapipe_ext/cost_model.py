@@ -237,13 +237,16 @@ class MicroBatchCosts:
 
 
 def memory_needed(arrays: StageCostArrays) -> np.ndarray:
-    """Bytes a micro-batch shape needs on its busiest stage under 1F1B.
+    """Bytes a micro-batch shape needs on its busiest stage under 1F1B among copies of itself.
 
     Rule: stage k of P keeps at most P - k micro-batches in flight (their kept activations)
-    plus the transient peak of the one it is computing. Requiring (P - k) * activation_k +
-    peak_k <= limit for each micro-batch is sufficient for any mix of micro-batches, since
-    the in-flight ones each need no more than the largest of them. It ignores the fact that
-    a plan with m < P micro-batches keeps only m in flight (conservative)."""
+    plus the transient peak of the one it is computing, so (P - k) * activation_k + peak_k is
+    what a 1F1B pipeline of this shape alone peaks at. It is a per-shape filter, NOT a bound
+    for a mix: with P = 2 and a limit of 10, micro-batch A (kept 5, transient 0) and B (kept 0,
+    transient 10) each need 10, yet B's forward while A is in flight peaks at 15. The
+    iteration planner therefore checks every split against the simulated peak of its candidate
+    schedules and re-splits under a lower limit when none fits
+    (iteration_planner.split_that_runs)."""
     num_stages = arrays.activation_bytes.shape[0]
     in_flight = (num_stages - np.arange(num_stages)).reshape((num_stages,) + (1,) *
                                                              (arrays.activation_bytes.ndim - 1))

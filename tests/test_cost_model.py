@@ -110,3 +110,18 @@ def test_cheapest_fitting_recompute_mode_is_chosen():
         c = cost_micro_batches(model, rows, seq, 0, 4, modes, limit)
         assert c.mode[0] == expected
         assert np.isfinite(c.time_ms[0]) == (expected >= 0)
+
+
+def test_per_micro_batch_rule_is_no_bound_for_a_mix():
+    """The counterexample of cost_model.memory_needed's docstring: two micro-batches that each
+    need 10 of a limit of 10 peak at 15 together under 1F1B (the simulator is the truth)."""
+    from dynapipe_ext.cost_model import StageCostArrays
+    from dynapipe_ext.schedules import one_f_one_b
+    from dynapipe_ext.simulator import PipelineCosts, simulate
+    kept = np.array([[5.0, 0.0], [5.0, 0.0]])          # [stage][micro-batch]: A keeps 5
+    transient = np.array([[0.0, 10.0], [0.0, 10.0]])   # B's transient peak is 10
+    zeros = np.zeros((2, 2))
+    need = memory_needed(StageCostArrays(zeros, zeros, kept, transient, np.ones(2, bool)))
+    assert need.tolist() == [10.0, 10.0]
+    costs = PipelineCosts(np.ones((2, 2)), np.ones((2, 2)), kept.T, transient.T)
+    assert simulate(one_f_one_b(2, 2), costs).max_peak_memory_bytes == 15.0

@@ -230,7 +230,8 @@ def test_training_flags_become_a_planner_config_that_plans(model):
     from dynapipe_ext.iteration_planner import pipeline_layout
     from dynapipe_ext.model_spec import ModelSpec
     from megatron.training.arguments import parse_args
-    from megatron.training.plan_delivery import iteration_planner_config, start_plan_delivery
+    from megatron.training.plan_delivery import start_plan_delivery
+    from megatron.training.training import planner_config
 
     argv = ["--data-path", "data/flan", "--num-layers", "4", "--hidden-size", "64",
             "--num-attention-heads", "4", "--pipeline-model-parallel-size", "2",
@@ -239,7 +240,7 @@ def test_training_flags_become_a_planner_config_that_plans(model):
         "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--decoder-num-layers", "4"]
     cfg = parse_args(model, argv, has_cuda=False)
     spec = ModelSpec(model, 4, 64, 4, 256, num_decoder_layers=4 if model == "t5" else 0)
-    config = iteration_planner_config(cfg, spec, dp_size=1)
+    config = planner_config(cfg, spec, dp=1)
     assert (config.pp, config.dp, config.pipeline_schedule, config.check_plans) == \
         (2, 1, "wave", True)
     assert pipeline_layout(config) == (0, 1, 1, 0)

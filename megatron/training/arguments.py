@@ -75,6 +75,12 @@ class TrainConfig:
     log_interval: int
     tensorboard_dir: str | None
     stats_file: str | None
+    # device figures for planning (None: from the device; megatron/training/device_costs.py)
+    device_flops: float | None = None
+    device_memory_gb: float | None = None
+    memory_headroom_gb: float | None = None
+    p2p_bandwidth_gbps: float | None = None
+    p2p_latency_us: float | None = None
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -175,6 +181,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(bool(cfg.data_path), "--data-path is required")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
+    for name in ("device_flops", "device_memory_gb", "p2p_bandwidth_gbps"):
+        value = getattr(cfg, name)
+        need(value is None or value > 0, f"--{flag(name)} must be > 0, got {value}")
+    for name in ("memory_headroom_gb", "p2p_latency_us"):
+        value = getattr(cfg, name)
+        need(value is None or value >= 0, f"--{flag(name)} must be >= 0, got {value}")
+    need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
+         "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems
 
 
@@ -240,6 +254,20 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="run the plan checker on every plan before executing it")
     g.add_argument("--cost-model", default="analytic",
                    help="'analytic' or the path of a measured profile")
+    g.add_argument("--device-flops", type=float, default=None,
+                   help="device compute rate (FLOP/s) the planner assumes; default: a short "
+                        "matmul calibration on GPU, a fixed nominal rate on CPU")
+    g.add_argument("--device-memory-gb", type=float, default=None,
+                   help="memory per rank (GiB) the planner assumes; default: the GPU's total "
+                        "memory, on CPU the physical memory / ranks on this node")
+    g.add_argument("--memory-headroom-gb", type=float, default=None,
+                   help="memory (GiB) kept free for the allocator, CUDA context and NCCL; "
+                        "default 10%% of the memory, + 1 GiB on GPU")
+    g.add_argument("--p2p-bandwidth-gbps", type=float, default=None,
+                   help="pipeline link bandwidth (GB/s) for the schedule search; default: "
+                        "transfers are not modelled")
+    g.add_argument("--p2p-latency-us", type=float, default=None,
+                   help="pipeline link latency (microseconds), with --p2p-bandwidth-gbps")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -334,7 +362,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         save=args.save, save_interval=args.save_interval, load=args.load,
         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-        stats_file=args.stats_file)
+        stats_file=args.stats_file, device_flops=args.device_flops,
+        device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
+        p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us)
 
 
 def config_field_names() -> list[str]:

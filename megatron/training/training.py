@@ -21,8 +21,8 @@ from megatron.core import parallel_state
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.plan_ahead import PlanAhead
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                             iteration_plan_fn, pipeline_layout)
+from dynapipe_ext.iteration_planner import (IterationPlannerConfig, iteration_plan_fn,
+                                             pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.flan_indexed import dataset_files
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -31,7 +31,7 @@ from megatron.data.tokenizers import build_tokenizer
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
-from megatron.training import checkpointing
+from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel)
@@ -158,21 +158,22 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
 # ---------------------------------------------------------------------------- planning
 
 def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlannerConfig:
-    """What the iteration planner needs to know about this run (picklable, for its workers).
-    Its `pipeline_layout` is also the stage layout the model is built with."""
+    """What the iteration planner needs to know about this run (picklable, for its workers),
+    with the cost model of this run's device and precision (device_costs). The one place a
+    run's planner settings are made: trainer, tools and tests call it. Its `pipeline_layout`
+    is also the stage layout the model is built with."""
     pp = cfg.pipeline_model_parallel_size
     split = PlannerConfig(
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
         pipeline_stages=pp, data_parallel=dp, tokens_per_global_batch=cfg.tokens_per_global_batch,
         micro_batch_size=cfg.micro_batch_size if cfg.micro_batching == "padding" else None,
         packing_algorithm=cfg.packing_algorithm)
-    costs = (CostModelSource.analytic() if cfg.cost_model == "analytic"
-             else CostModelSource.profile(cfg.cost_model))
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size, cost_model=costs, dtype=model_dtype(cfg),
-        check_plans=cfg.check_plans)
+        tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp),
+        dtype=model_dtype(cfg), check_plans=cfg.check_plans,
+        comm=device_costs.comm_model(cfg))
 
 
 def start_plan_delivery(cfg: TrainConfig, data: TrainingData, plan_cfg: IterationPlannerConfig,
