@@ -5,7 +5,7 @@ import pytest
 
 from dynapipe_ext.cost_model import memory_needed
 from dynapipe_ext.iteration_planner import build_cost_model, plan_iteration
-from megatron.training import device_costs
+from megatron.training import device_costs, distributed_setup
 from megatron.training.arguments import parse_args
 from megatron.training.training import model_spec, planner_config
 
@@ -72,7 +72,7 @@ def test_state_bytes_per_param_count_what_the_optimizer_holds():
 
 
 def test_figures_come_from_flags_else_from_the_device(monkeypatch):
-    monkeypatch.setenv(device_costs.DEVICE_ENV, "cpu")
+    monkeypatch.setenv(distributed_setup.DEVICE_ENV, "cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = parse_args("gpt", ["--data-path", "x"], has_cuda=False)
     probed = device_costs.device_figures(cfg)
@@ -94,11 +94,11 @@ def test_figures_come_from_flags_else_from_the_device(monkeypatch):
 
 
 def test_device_choice_env_forces_cpu_and_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(device_costs.DEVICE_ENV, "cpu")
-    assert not device_costs.use_cuda()
-    monkeypatch.setenv(device_costs.DEVICE_ENV, "tpu")
+    monkeypatch.setenv(distributed_setup.DEVICE_ENV, "cpu")
+    assert not distributed_setup.use_cuda()
+    monkeypatch.setenv(distributed_setup.DEVICE_ENV, "tpu")
     with pytest.raises(ValueError, match="DYNAPIPE_DEVICE='tpu'"):
-        device_costs.use_cuda()
+        distributed_setup.use_cuda()
 
 
 def test_calibration_times_a_matmul_and_keeps_two_significant_digits():
@@ -131,3 +131,27 @@ def test_a_profile_cost_model_gets_the_usable_memory_and_state_bytes(tmp_path):
     assert source.kind == "profile"
     assert dict(source.options) == {"device_memory_bytes": 9 * GIB,
                                     "bytes_per_param_state": 16.0}
+
+
+def _warm_up_rank(rank, world_size, tp, pp):
+    import torch
+    from megatron.training.distributed_setup import (pipeline_p2p_groups, setup_model_parallel,
+                                                     warm_up_pipeline_transfers)
+    layout = setup_model_parallel(tp, pp)           # runs the warm-up once
+    again = warm_up_pipeline_transfers(pipeline_p2p_groups(), torch.device("cpu"))
+    return layout.pp_rank, layout.device.type, again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 4), (2, 2)])
+def test_every_neighbouring_pipeline_pair_exchanges_at_set_up_on_gloo(tp, pp):
+    from tests.multiproc import run_in_processes
+    results = run_in_processes(_warm_up_rank, 4, args=(tp, pp), timeout_s=180)
+    for pp_rank, device, received in results:
+        assert device == "cpu"
+        want = {}
+        if pp_rank > 0:
+            want[(0, pp_rank - 1)] = pp_rank - 1     # towards higher ranks: from below
+        if pp_rank < pp - 1:
+            want[(1, pp_rank + 1)] = pp_rank + 1     # towards lower ranks: from above
+        assert received == want

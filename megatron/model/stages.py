@@ -285,12 +285,13 @@ def _core_attentions(stage: StageModule):
 def run_stage_forward(stage: StageModule, inputs: tuple, batch, recompute: str = "none"):
     """Stage forward under a recompute mode. On GPU it sets megatron-core's own settings
     (recompute_granularity 'full' / 'selective' core attention). megatron-core's checkpoint
-    saves CUDA RNG state and cannot run on CPU, so there the same recomputation is done with
+    saves CUDA RNG state and cannot run on CPU, so a stage on the CPU (also on a GPU host with
+    DYNAPIPE_DEVICE=cpu) does the same recomputation with
     torch.utils.checkpoint: 'full' = the whole stage, 'selective' = every core attention."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute mode must be none, selective or full, got {recompute!r}")
     config = stage.config
-    if torch.cuda.is_available():
+    if next(stage.parameters()).is_cuda:
         set_recompute(config, recompute)
         for module in stage.modules():
             if hasattr(module, "checkpoint_core_attention"):

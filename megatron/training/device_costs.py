@@ -25,22 +25,12 @@ from dataclasses import dataclass
 
 from dynapipe_ext.iteration_planner import CostModelSource
 from dynapipe_ext.simulator import CommModel
+from megatron.training.distributed_setup import use_cuda
 
 GIB = 2**30
 CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
 GPU_BASE_HEADROOM = 1 * GIB       # CUDA context, NCCL buffers, cuBLAS workspaces
 HEADROOM_FRACTION = 0.10          # allocator fragmentation and transient spikes
-DEVICE_ENV = "DYNAPIPE_DEVICE"    # "cpu" forces gloo / CPU even where CUDA is visible
-
-
-def use_cuda() -> bool:
-    """Whether this process trains on a GPU: CUDA visible and DYNAPIPE_DEVICE is not 'cpu'
-    (the CPU multi-rank tests set it, so they run on gloo on a GPU host too)."""
-    import torch
-    choice = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if choice not in ("", "cpu", "cuda"):
-        raise ValueError(f"{DEVICE_ENV}={choice!r}: use 'cpu', 'cuda' or leave it unset")
-    return choice != "cpu" and torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from megatron.model.stages import build_rank_stages, build_transformer_config, s
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
-                                                  setup_model_parallel)
+                                                  setup_model_parallel, use_cuda)
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers)
 from megatron.training.optimizer import TrainOptimizer
@@ -265,7 +265,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     plans with its own cost-model figures); `verbose=False` keeps rank 0 from printing."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_device_precision(cfg, torch.cuda.is_available())
+    check_device_precision(cfg, use_cuda())
     data = open_training_data(cfg, rank)
     spec = model_spec(cfg, data.vocab_size)
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
