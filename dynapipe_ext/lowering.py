@@ -61,7 +61,7 @@ What is assumed of NCCL, and why the order above is then safe:
    not already started.
 3. The two directions of a pair never share a stream (one group per direction), so a
    receive posted early (recv_lookahead) never sits in front of a send of the other
-   direction; within one direction a rank only ever sends or only ever receives.
+   direction: a pair's communicator of one direction only carries one end's sends.
 4. A send completes once the receiver has posted the matching receive (rendezvous), which
    is exactly the model above ("a Finish waits until the peer has started the matching op").
 """
