@@ -134,11 +134,11 @@ def test_a_profile_cost_model_gets_the_usable_memory_and_state_bytes(tmp_path):
 
 
 def _warm_up_rank(rank, world_size, tp, pp):
-    import torch
+    """Set-up (which warms up) and one more warm-up exchange; also the GPU suite's NCCL check."""
     from megatron.training.distributed_setup import (pipeline_p2p_groups, setup_model_parallel,
                                                      warm_up_pipeline_transfers)
     layout = setup_model_parallel(tp, pp)           # runs the warm-up once
-    again = warm_up_pipeline_transfers(pipeline_p2p_groups(), torch.device("cpu"))
+    again = warm_up_pipeline_transfers(pipeline_p2p_groups(), layout.device)
     return layout.pp_rank, layout.device.type, again
 
 
@@ -149,9 +149,14 @@ def test_every_neighbouring_pipeline_pair_exchanges_at_set_up_on_gloo(tp, pp):
     results = run_in_processes(_warm_up_rank, 4, args=(tp, pp), timeout_s=180)
     for pp_rank, device, received in results:
         assert device == "cpu"
-        want = {}
-        if pp_rank > 0:
-            want[(0, pp_rank - 1)] = pp_rank - 1     # towards higher ranks: from below
-        if pp_rank < pp - 1:
-            want[(1, pp_rank + 1)] = pp_rank + 1     # towards lower ranks: from above
-        assert received == want
+        assert received == expected_warm_up(pp_rank, pp)
+
+
+def expected_warm_up(pp_rank: int, pp: int) -> dict:
+    """What pipeline rank `pp_rank` of `pp` receives in the warm-up, by (direction, peer)."""
+    want = {}
+    if pp_rank > 0:
+        want[(0, pp_rank - 1)] = pp_rank - 1     # towards higher ranks: from below
+    if pp_rank < pp - 1:
+        want[(1, pp_rank + 1)] = pp_rank + 1     # towards lower ranks: from above
+    return want
