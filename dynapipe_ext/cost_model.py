@@ -96,14 +96,19 @@ class AnalyticCostModel(CostModel):
     device poorly); backward = 2x forward, plus the recomputed forward part ('selective': the
     attention core, 'full': whole transformer layers). Kept activations per layer follow
     Korthikanti et al. (arXiv 2205.05198), ~ s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision
-    (scaled by dtype_bytes/2); 'selective' drops the s^2 attention terms, 'full' keeps only the
-    layer input. Shapes longer than `max_seq_len` / `max_dec_seq_len` are infeasible."""
+    (scaled by dtype_bytes/2) with dropout; without (`dropout=False`, how the trainer builds
+    its layers) the 1-byte dropout masks and the dropped-out attention copy go:
+    ~ s*b*h*(32 + 2*a*s/h). 'selective' drops the s^2 attention terms, 'full' keeps only the
+    layer input. A stage that sends its output on also keeps it until its backward (the
+    handlers hold it for autograd). Shapes longer than `max_seq_len` / `max_dec_seq_len` are
+    infeasible."""
 
     def __init__(self, spec: ModelSpec, tp: int = 1, device_flops: float = 1e12,
                  device_mem_bytes: float = 16 * 2**30, bytes_per_param_state: float = 16,
                  dtype_bytes: int = 4, max_seq_len: int | None = None,
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
-                 half_rate_tokens: float = 512.0, num_stages: int = 1):
+                 half_rate_tokens: float = 512.0, num_stages: int = 1,
+                 dropout: bool = False):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
@@ -120,6 +125,7 @@ class AnalyticCostModel(CostModel):
         self.layer_overhead_ms = layer_overhead_ms
         self.half_rate_tokens = float(half_rate_tokens)
         self.num_stages = num_stages
+        self.dropout = dropout
 
     # ---- model states
     def layer_params(self, kind: str) -> float:
@@ -155,21 +161,24 @@ class AnalyticCostModel(CostModel):
         tp, dt = self.tp, self.dtype_bytes
         half = dt / 2.0
         zero = np.zeros_like(b)
+        masks = 1.0 if self.dropout else 0.0      # 1-byte dropout masks, per sbh
+        att_copies = 5.0 if self.dropout else 2.0  # softmax out (+ dropout mask and output)
         if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             if kind == DEC_LAYER:
                 lin = 2 * b * d * (6 * h * h + 2 * h * f) / tp + 2 * b * s * 2 * h * h / tp
                 att = 4 * b * d * d * h / tp + 4 * b * s * d * h / tp
-                kept_lin = half * (15 * b * d * h + (12 * b * d * h + 4 * b * d * f
-                                                     + 4 * b * s * h) / tp)
-                kept_att = half * 5 * a * b * (d * d + s * d) / tp
+                kept_lin = half * ((12 + 3 * masks) * b * d * h
+                                   + (12 * b * d * h + 4 * b * d * f + 4 * b * s * h) / tp)
+                kept_att = half * att_copies * a * b * (d * d + s * d) / tp
                 score = dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
                 ffn = dt * b * d * f / tp
             else:
                 lin = 2 * b * s * (4 * h * h + 2 * h * f) / tp
                 att = 4 * b * s * s * h / tp
-                kept_lin = half * (10 * b * s * h + (8 * b * s * h + 4 * b * s * f) / tp)
-                kept_att = half * 5 * a * b * s * s / tp
+                kept_lin = half * ((8 + 2 * masks) * b * s * h
+                                   + (8 * b * s * h + 4 * b * s * f) / tp)
+                kept_att = half * att_copies * a * b * s * s / tp
                 score = dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
                 ffn = dt * b * s * f / tp
@@ -219,6 +228,9 @@ class AnalyticCostModel(CostModel):
                 np.maximum(out[3, k], transient, out=out[3, k])
             if has_dec and recompute == "full":
                 out[2, k] += self.dtype_bytes * b * s * self.spec.hidden_size  # encoder output
+            if HEAD not in kinds:   # the output sent on (T5 decoder stages: the new decoder part)
+                started = has_dec or DEC_EMBEDDING in kinds
+                out[2, k] += self.dtype_bytes * b * (d if started else s) * self.spec.hidden_size
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
 
 
