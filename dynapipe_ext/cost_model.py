@@ -100,18 +100,23 @@ class AnalyticCostModel(CostModel):
     its layers) the 1-byte dropout masks and the dropped-out attention copy go:
     ~ s*b*h*(32 + 2*a*s/h). 'selective' drops the s^2 attention terms, 'full' keeps only the
     layer input. A stage that sends its output on also keeps it until its backward (the
-    handlers hold it for autograd). Shapes longer than `max_seq_len` / `max_dec_seq_len` are
-    infeasible."""
+    handlers hold it for autograd). `full_recompute` says how 'full' recomputes: "layer", one
+    checkpoint per transformer layer (megatron-core on GPU), or "stage", the whole stage in one
+    checkpoint (the trainer's CPU path): it keeps only the stage's input and output, and its
+    backward re-materialises every layer of the stage at once. Shapes longer than
+    `max_seq_len` / `max_dec_seq_len` are infeasible."""
 
     def __init__(self, spec: ModelSpec, tp: int = 1, device_flops: float = 1e12,
                  device_mem_bytes: float = 16 * 2**30, bytes_per_param_state: float = 16,
                  dtype_bytes: int = 4, max_seq_len: int | None = None,
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
                  half_rate_tokens: float = 512.0, num_stages: int = 1,
-                 dropout: bool = False):
+                 dropout: bool = False, full_recompute: str = "layer"):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
+        if full_recompute not in ("layer", "stage"):
+            raise ValueError(f"full_recompute must be 'layer' or 'stage', got {full_recompute!r}")
         if device_flops <= 0 or device_mem_bytes <= 0:
             raise ValueError("device_flops and device_mem_bytes must be positive")
         self.spec = spec
@@ -126,6 +131,7 @@ class AnalyticCostModel(CostModel):
         self.half_rate_tokens = float(half_rate_tokens)
         self.num_stages = num_stages
         self.dropout = dropout
+        self.full_recompute = full_recompute
 
     # ---- model states
     def layer_params(self, kind: str) -> float:
@@ -228,10 +234,33 @@ class AnalyticCostModel(CostModel):
                 np.maximum(out[3, k], transient, out=out[3, k])
             if has_dec and recompute == "full":
                 out[2, k] += self.dtype_bytes * b * s * self.spec.hidden_size  # encoder output
+            if recompute == "full" and self.full_recompute == "stage":
+                out[2, k], out[3, k] = self._whole_stage_recompute(stages, k, b, s, d)
             if HEAD not in kinds:   # the output sent on (T5 decoder stages: the new decoder part)
-                started = has_dec or DEC_EMBEDDING in kinds
-                out[2, k] += self.dtype_bytes * b * (d if started else s) * self.spec.hidden_size
+                out[2, k] += self._hidden_bytes(kinds, b, s, d)
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
+
+    def _hidden_bytes(self, kinds, b, s, d):
+        """Bytes of the new hidden state a stage of these layer kinds hands on."""
+        started = DEC_LAYER in kinds or DEC_EMBEDDING in kinds
+        return self.dtype_bytes * b * (d if started else s) * self.spec.hidden_size
+
+    def _whole_stage_recompute(self, stages, k, b, s, d):
+        """(kept, transient peak) of stage k recomputed in one checkpoint: it keeps its inputs
+        (the previous stage's output; T5 decoder stages also the encoder output) and, in
+        backward, holds every layer's no-recompute activations plus the largest transient."""
+        kept = np.zeros_like(b)
+        if k > 0:
+            prev = stages[k - 1]
+            kept = kept + self._hidden_bytes(prev, b, s, d)
+            if DEC_LAYER in prev or DEC_EMBEDDING in prev:
+                kept = kept + self.dtype_bytes * b * s * self.spec.hidden_size
+        rematerialised, transient = np.zeros_like(b), np.zeros_like(b)
+        for kind in dict.fromkeys(stages[k]):
+            _, _, kept_none, transient_none = self._layer_cost(kind, b, s, d, "none")
+            rematerialised = rematerialised + stages[k].count(kind) * kept_none
+            transient = np.maximum(transient, transient_none)
+        return kept, rematerialised + transient
 
 
 # ------------------------------------------------------------------ micro-batch costing

@@ -155,6 +155,7 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> Cos
         return CostModelSource.analytic(
             device_flops=figures.flops, device_mem_bytes=figures.usable_bytes,
             bytes_per_param_state=states, dtype_bytes=2 if cfg.bf16 else 4,
-            max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None)
+            max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
+            full_recompute="layer" if figures.kind == "cuda" else "stage")
     return CostModelSource.profile(cfg.cost_model, device_memory_bytes=figures.usable_bytes,
                                    bytes_per_param_state=states)

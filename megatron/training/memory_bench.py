@@ -113,7 +113,8 @@ def predicted_vs_measured(spec: ModelSpec, lengths, max_seq_len: int, max_dec_se
     predicted and measured activation peak."""
     is_t5 = spec.model == "t5"
     cost = AnalyticCostModel(spec, dtype_bytes=4, max_seq_len=max_seq_len,
-                             max_dec_seq_len=max_dec_seq_len if is_t5 else None, num_stages=pp)
+                             max_dec_seq_len=max_dec_seq_len if is_t5 else None, num_stages=pp,
+                             full_recompute="stage")    # the CPU path (run_stage_forward)
     planner = PlannerConfig(model=spec.model, max_seq_len=max_seq_len,
                             max_dec_seq_len=max_dec_seq_len if is_t5 else 0,
                             pipeline_stages=pp, recompute_modes=(recompute,))
