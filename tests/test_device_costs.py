@@ -164,3 +164,22 @@ def expected_warm_up(pp_rank: int, pp: int) -> dict:
     if pp_rank < pp - 1:
         want[(1, pp_rank + 1)] = pp_rank + 1     # towards lower ranks: from above
     return want
+
+
+def _link_rank(rank, world_size):
+    from megatron.training.device_costs import measure_link
+    from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
+    layout = setup_model_parallel(1, world_size)
+    return layout.pp_rank, measure_link(pipeline_p2p_groups(), layout.device, rounds=4,
+                                        large_bytes=2**20)
+
+
+@pytest.mark.slow
+def test_link_calibration_times_the_pipeline_pair_for_the_planning_rank():
+    from tests.multiproc import run_in_processes
+    results = dict(run_in_processes(_link_rank, 3, timeout_s=180))
+    assert results[1] is None and results[2] is None        # only pipeline rank 0 plans
+    link = results[0]
+    assert link.latency_ms > 0 and link.bandwidth_bytes_per_ms > 0
+    assert link.transfer_ms(2**20) > link.latency_ms
+    assert device_costs.two_digits(link.latency_ms) == link.latency_ms

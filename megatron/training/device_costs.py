@@ -12,7 +12,9 @@ Figures come from flags when given (`--device-memory-gb`, `--memory-headroom-gb`
   rounded to two significant digits; on CPU a fixed nominal rate, so CPU plans (and exact
   resumes, which need the same plans) do not depend on machine load -- pass --device-flops
   to plan with a measured one;
-* pipeline link: not modelled unless both p2p flags are given.
+* pipeline link: --p2p-bandwidth-gbps / --p2p-latency-us; else, on GPU with PP > 1, timed
+  between pipeline ranks 0 and 1 at start-up (measure_link); on CPU not modelled (as for the
+  compute rate, so CPU plans do not depend on machine load).
 The planning leader (global rank 0) is the only rank whose figures are used.
 """
 from __future__ import annotations
@@ -102,9 +104,7 @@ def calibrate_flops(device: str, dtype_name: str, size: int = 4096,
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             break
-    rate = 2.0 * size**3 * reps / elapsed
-    digits = 1 - int(math.floor(math.log10(rate)))
-    return float(round(rate, digits))
+    return two_digits(2.0 * size**3 * reps / elapsed)
 
 
 def device_figures(cfg) -> DeviceFigures:
@@ -138,11 +138,56 @@ def device_figures(cfg) -> DeviceFigures:
 
 def comm_model(cfg) -> CommModel | None:
     """Pipeline transfer time from --p2p-bandwidth-gbps (GB/s) and --p2p-latency-us; None
-    (transfers cost nothing in the schedule search) unless the bandwidth is given."""
+    (transfers cost nothing in the schedule search, or measure_link times them at start-up
+    on GPU) unless the bandwidth is given."""
     if cfg.p2p_bandwidth_gbps is None:
         return None
     return CommModel(latency_ms=(cfg.p2p_latency_us or 0.0) / 1e3,
                      bandwidth_bytes_per_ms=cfg.p2p_bandwidth_gbps * 1e9 / 1e3)
+
+
+def two_digits(value: float) -> float:
+    """`value` rounded to two significant digits (calibrations vary by a few percent)."""
+    return float(round(value, 1 - int(math.floor(math.log10(value))))) if value > 0 else 0.0
+
+
+def measure_link(groups: tuple, device, rounds: int = 10,
+                 large_bytes: int = 8 * 2**20) -> CommModel | None:
+    """Pipeline link between pipeline ranks 0 and 1 of this rank's pipeline, timed with the
+    transfer groups (0 -> 1 on the upwards group, replies on the downwards one): latency =
+    half the round trip of a one-element message, bandwidth from one-way `large_bytes`
+    transfers. Every rank of the pipeline calls it; pipeline rank 0 (where the planning
+    leader sits) gets the CommModel, the others None. Rounded to two significant digits."""
+    import torch
+    import torch.distributed as dist
+    up, down = groups
+    me = dist.get_rank(up)
+    if dist.get_world_size(up) < 2 or me > 1:
+        return None
+    peer_up, peer_down = dist.get_global_rank(up, 1), dist.get_global_rank(down, 0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tiny = torch.zeros(1, device=device)
+    big = torch.zeros(large_bytes // 4, device=device)
+
+    def round_trip(payload) -> float:
+        sync()
+        start = time.perf_counter()
+        if me == 0:
+            dist.send(payload, peer_up, group=up)
+            dist.recv(tiny, peer_up, group=down)
+        else:
+            dist.recv(payload, peer_down, group=up)
+            dist.send(tiny, peer_down, group=down)
+        sync()
+        return time.perf_counter() - start
+
+    round_trip(tiny)                                    # warm
+    latency_s = min(round_trip(tiny) for _ in range(rounds)) / 2
+    transfer_s = min(round_trip(big) for _ in range(max(2, rounds // 3))) - 2 * latency_s
+    if me != 0:
+        return None
+    return CommModel(latency_ms=two_digits(latency_s * 1e3),
+                     bandwidth_bytes_per_ms=two_digits(large_bytes / max(transfer_s, 1e-9) / 1e3))
 
 
 def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> CostModelSource:

@@ -9,6 +9,7 @@ step, log and save.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -276,6 +277,9 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         timeout_s=cfg.distributed_timeout_minutes * 60, total_layers=spec.total_layers,
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
+    if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
+        link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
+        plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     stages = build_stages(cfg, spec, layout, stage_to_rank)
     optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
                                parallel_state.get_model_parallel_group())
