@@ -265,7 +265,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         "default 10%% of the memory, + 1 GiB on GPU")
     g.add_argument("--p2p-bandwidth-gbps", type=float, default=None,
                    help="pipeline link bandwidth (GB/s) for the schedule search; default: "
-                        "transfers are not modelled")
+                        "timed at start-up on GPU with PP > 1, not modelled on CPU")
     g.add_argument("--p2p-latency-us", type=float, default=None,
                    help="pipeline link latency (microseconds), with --p2p-bandwidth-gbps")
 
