@@ -149,7 +149,7 @@ def _warm_up_rank(rank, world_size, tp, pp):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 4), (2, 2)])
 def test_every_neighbouring_pipeline_pair_exchanges_at_set_up_on_gloo(tp, pp):
-    from tests.multiproc import run_in_processes
+    from multiproc import run_in_processes
     results = run_in_processes(_warm_up_rank, 4, args=(tp, pp), timeout_s=180)
     for pp_rank, device, received in results:
         assert device == "cpu"
@@ -176,7 +176,7 @@ def _link_rank(rank, world_size):
 
 @pytest.mark.slow
 def test_link_calibration_times_the_pipeline_pair_for_the_planning_rank():
-    from tests.multiproc import run_in_processes
+    from multiproc import run_in_processes
     results = dict(run_in_processes(_link_rank, 3, timeout_s=180))
     assert results[1] is None and results[2] is None        # only pipeline rank 0 plans
     link = results[0]
