@@ -96,17 +96,27 @@ class AnalyticCostModel(CostModel):
     device poorly); backward = 2x forward, plus the recomputed forward part ('selective': the
     attention core, 'full': whole transformer layers). Kept activations per layer follow
     Korthikanti et al. (arXiv 2205.05198), ~ s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision
-    (scaled by dtype_bytes/2); 'selective' drops the s^2 attention terms, 'full' keeps only the
-    layer input. Shapes longer than `max_seq_len` / `max_dec_seq_len` are infeasible."""
+    (scaled by dtype_bytes/2) with dropout; without (`dropout=False`, how the trainer builds
+    its layers) the 1-byte dropout masks and the dropped-out attention copy go:
+    ~ s*b*h*(32 + 2*a*s/h). 'selective' drops the s^2 attention terms, 'full' keeps only the
+    layer input. A stage that sends its output on also keeps it until its backward (the
+    handlers hold it for autograd). `full_recompute` says how 'full' recomputes: "layer", one
+    checkpoint per transformer layer (megatron-core on GPU), or "stage", the whole stage in one
+    checkpoint (the trainer's CPU path): it keeps only the stage's input and output, and its
+    backward re-materialises every layer of the stage at once. Shapes longer than
+    `max_seq_len` / `max_dec_seq_len` are infeasible."""
 
     def __init__(self, spec: ModelSpec, tp: int = 1, device_flops: float = 1e12,
                  device_mem_bytes: float = 16 * 2**30, bytes_per_param_state: float = 16,
                  dtype_bytes: int = 4, max_seq_len: int | None = None,
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
-                 half_rate_tokens: float = 512.0, num_stages: int = 1):
+                 half_rate_tokens: float = 512.0, num_stages: int = 1,
+                 dropout: bool = False, full_recompute: str = "layer"):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
+        if full_recompute not in ("layer", "stage"):
+            raise ValueError(f"full_recompute must be 'layer' or 'stage', got {full_recompute!r}")
         if device_flops <= 0 or device_mem_bytes <= 0:
             raise ValueError("device_flops and device_mem_bytes must be positive")
         self.spec = spec
@@ -120,6 +130,8 @@ class AnalyticCostModel(CostModel):
         self.layer_overhead_ms = layer_overhead_ms
         self.half_rate_tokens = float(half_rate_tokens)
         self.num_stages = num_stages
+        self.dropout = dropout
+        self.full_recompute = full_recompute
 
     # ---- model states
     def layer_params(self, kind: str) -> float:
@@ -155,21 +167,24 @@ class AnalyticCostModel(CostModel):
         tp, dt = self.tp, self.dtype_bytes
         half = dt / 2.0
         zero = np.zeros_like(b)
+        masks = 1.0 if self.dropout else 0.0      # 1-byte dropout masks, per sbh
+        att_copies = 5.0 if self.dropout else 2.0  # softmax out (+ dropout mask and output)
         if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             if kind == DEC_LAYER:
                 lin = 2 * b * d * (6 * h * h + 2 * h * f) / tp + 2 * b * s * 2 * h * h / tp
                 att = 4 * b * d * d * h / tp + 4 * b * s * d * h / tp
-                kept_lin = half * (15 * b * d * h + (12 * b * d * h + 4 * b * d * f
-                                                     + 4 * b * s * h) / tp)
-                kept_att = half * 5 * a * b * (d * d + s * d) / tp
+                kept_lin = half * ((12 + 3 * masks) * b * d * h
+                                   + (12 * b * d * h + 4 * b * d * f + 4 * b * s * h) / tp)
+                kept_att = half * att_copies * a * b * (d * d + s * d) / tp
                 score = dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
                 ffn = dt * b * d * f / tp
             else:
                 lin = 2 * b * s * (4 * h * h + 2 * h * f) / tp
                 att = 4 * b * s * s * h / tp
-                kept_lin = half * (10 * b * s * h + (8 * b * s * h + 4 * b * s * f) / tp)
-                kept_att = half * 5 * a * b * s * s / tp
+                kept_lin = half * ((8 + 2 * masks) * b * s * h
+                                   + (8 * b * s * h + 4 * b * s * f) / tp)
+                kept_att = half * att_copies * a * b * s * s / tp
                 score = dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
                 ffn = dt * b * s * f / tp
@@ -219,7 +234,33 @@ class AnalyticCostModel(CostModel):
                 np.maximum(out[3, k], transient, out=out[3, k])
             if has_dec and recompute == "full":
                 out[2, k] += self.dtype_bytes * b * s * self.spec.hidden_size  # encoder output
+            if recompute == "full" and self.full_recompute == "stage":
+                out[2, k], out[3, k] = self._whole_stage_recompute(stages, k, b, s, d)
+            if HEAD not in kinds:   # the output sent on (T5 decoder stages: the new decoder part)
+                out[2, k] += self._hidden_bytes(kinds, b, s, d)
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
+
+    def _hidden_bytes(self, kinds, b, s, d):
+        """Bytes of the new hidden state a stage of these layer kinds hands on."""
+        started = DEC_LAYER in kinds or DEC_EMBEDDING in kinds
+        return self.dtype_bytes * b * (d if started else s) * self.spec.hidden_size
+
+    def _whole_stage_recompute(self, stages, k, b, s, d):
+        """(kept, transient peak) of stage k recomputed in one checkpoint: it keeps its inputs
+        (the previous stage's output; T5 decoder stages also the encoder output) and, in
+        backward, holds every layer's no-recompute activations plus the largest transient."""
+        kept = np.zeros_like(b)
+        if k > 0:
+            prev = stages[k - 1]
+            kept = kept + self._hidden_bytes(prev, b, s, d)
+            if DEC_LAYER in prev or DEC_EMBEDDING in prev:
+                kept = kept + self.dtype_bytes * b * s * self.spec.hidden_size
+        rematerialised, transient = np.zeros_like(b), np.zeros_like(b)
+        for kind in dict.fromkeys(stages[k]):
+            _, _, kept_none, transient_none = self._layer_cost(kind, b, s, d, "none")
+            rematerialised = rematerialised + stages[k].count(kind) * kept_none
+            transient = np.maximum(transient, transient_none)
+        return kept, rematerialised + transient
 
 
 # ------------------------------------------------------------------ micro-batch costing
@@ -237,13 +278,16 @@ class MicroBatchCosts:
 
 
 def memory_needed(arrays: StageCostArrays) -> np.ndarray:
-    """Bytes a micro-batch shape needs on its busiest stage under 1F1B.
+    """Bytes a micro-batch shape needs on its busiest stage under 1F1B among copies of itself.
 
     Rule: stage k of P keeps at most P - k micro-batches in flight (their kept activations)
-    plus the transient peak of the one it is computing. Requiring (P - k) * activation_k +
-    peak_k <= limit for each micro-batch is sufficient for any mix of micro-batches, since
-    the in-flight ones each need no more than the largest of them. It ignores the fact that
-    a plan with m < P micro-batches keeps only m in flight (conservative)."""
+    plus the transient peak of the one it is computing, so (P - k) * activation_k + peak_k is
+    what a 1F1B pipeline of this shape alone peaks at. It is a per-shape filter, NOT a bound
+    for a mix: with P = 2 and a limit of 10, micro-batch A (kept 5, transient 0) and B (kept 0,
+    transient 10) each need 10, yet B's forward while A is in flight peaks at 15. The
+    iteration planner therefore checks every split against the simulated peak of its candidate
+    schedules and re-splits under a lower limit when none fits
+    (iteration_planner.split_that_runs)."""
     num_stages = arrays.activation_bytes.shape[0]
     in_flight = (num_stages - np.arange(num_stages)).reshape((num_stages,) + (1,) *
                                                              (arrays.activation_bytes.ndim - 1))

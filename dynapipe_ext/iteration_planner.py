@@ -18,20 +18,24 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cost_model import CostModel
 from .lowering import DTYPES, lower
 from .microbatch import BatchPlan
 from .model_spec import ModelSpec
-from .planners import STRATEGIES, PlannerConfig, memory_limit_of, plan_micro_batches
+from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
+                       plan_micro_batches)
 from .schedule_ir import linear_layout, wave_layout
-from .schedule_search import micro_batch_costs, search_schedule
+from .schedule_search import best_candidate, evaluate_candidates, micro_batch_costs
+from .schedules import MemoryLimitError
+from .simulator import CommModel
 
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
 COST_MODEL_KINDS = ("analytic", "profile")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MEMORY_RETRIES = 6     # re-splits under a lower memory limit before giving up
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ def build_cost_model(source: CostModelSource, spec: ModelSpec, tp: int,
 class IterationPlannerConfig:
     """Everything `plan_iteration` needs, fixed for a run. `planner.pipeline_stages` must be
     `pp` and `planner.data_parallel` must be `dp`: the split is costed on P stages whatever the
-    layout (a wave rank computes 1/P of the model per micro-batch too)."""
+    layout (a wave rank computes 1/P of the model per micro-batch too). `comm` (None: free
+    transfers) times pipeline transfers in the simulations that pick and order the schedule."""
 
     spec: ModelSpec
     planner: PlannerConfig
@@ -99,6 +104,7 @@ class IterationPlannerConfig:
     check_plans: bool = False
     waves: int = 1
     recv_lookahead: int = 1
+    comm: CommModel | None = None     # pipeline transfer time in the schedule search
 
     def __post_init__(self):
         problems = []
@@ -174,6 +180,72 @@ class IterationPlan:
     timings_ms: dict = field(default_factory=dict, compare=False)
 
 
+@dataclass(frozen=True)
+class ReplicaSchedule:
+    """The schedule picked for one data-parallel replica, with its simulation."""
+
+    schedule: Any
+    result: Any
+
+
+def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostModel,
+                    memory_limit: float, timings_ms: dict | None = None
+                    ) -> tuple[BatchPlan, list[ReplicaSchedule]]:
+    """The micro-batch split and, per replica, the fastest candidate schedule whose simulated
+    peak fits `memory_limit`. The split's per-micro-batch memory rule (cost_model.memory_needed)
+    is not a bound for a mix of micro-batches, so the simulator decides: when no candidate fits
+    some replica, the split is made again under a limit lowered by the smallest overshoot, up
+    to MEMORY_RETRIES times; then MemoryLimitError. Never returns a split that no candidate
+    schedule can run. `timings_ms` (if given) gains the time spent splitting ("split") and
+    searching schedules ("schedule"), retries included."""
+    timings_ms = {} if timings_ms is None else timings_ms
+    timings_ms.update(split=0.0, schedule=0.0)
+    planner = config.planner
+    candidates = schedule_candidates(config)
+    dtype_bytes = _DTYPE_BYTES[config.dtype]
+    retries = []
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = plan_micro_batches(lengths, planner, cost_model, config.micro_batching)
+        except PlanningError as err:
+            if not retries:
+                raise
+            raise MemoryLimitError(f"no candidate schedule fit the split within "
+                                   f"{memory_limit:.4g} bytes, and under the lowered split "
+                                   f"limit {retries[-1]:.4g}: {err}") from err
+        t1 = time.perf_counter()
+        timings_ms["split"] += (t1 - t0) * 1e3
+        picked, overshoot = [], 0.0
+        for dp_rank, micro_batches in enumerate(batch.replicas):
+            costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
+            found = evaluate_candidates(costs, memory_limit, config.pp, candidates, config.comm,
+                                        waves=(config.waves,))
+            try:
+                chosen = best_candidate(found, memory_limit)
+            except MemoryLimitError as err:
+                peaks = [c.result.max_peak_memory_bytes for c in found if c.result]
+                if not peaks or len(retries) == MEMORY_RETRIES:
+                    tried = f" (split limits tried: {retries})" if retries else ""
+                    raise MemoryLimitError(f"data-parallel replica {dp_rank} "
+                                           f"({len(micro_batches)} micro-batches): {err}"
+                                           f"{tried}") from err
+                overshoot = max(overshoot, min(peaks) - memory_limit)
+                continue
+            picked.append(ReplicaSchedule(chosen.schedule, chosen.result))
+        timings_ms["schedule"] += (time.perf_counter() - t1) * 1e3
+        if overshoot == 0.0:
+            batch.info["memory_retries"] = retries
+            return batch, picked
+        split_limit = memory_limit_of(cost_model, planner) - overshoot
+        if split_limit <= 0:
+            raise MemoryLimitError(f"no split of this batch runs under any candidate schedule "
+                                   f"within {memory_limit:.4g} bytes (split limits tried: "
+                                   f"{retries})")
+        retries.append(float(split_limit))
+        planner = replace(planner, memory_limit_bytes=split_limit)
+
+
 def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig) -> IterationPlan:
     """Plan one global batch (`lengths`: GPT (n,), T5 (n, 2)) into every rank's plan bytes."""
     from .plan_checker import check_plans
@@ -181,39 +253,26 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig) -> I
 
     start = time.perf_counter()
     cost_model = build_cost_model(config.cost_model, config.spec, config.tp, config.pp)
-    batch = plan_micro_batches(lengths, config.planner, cost_model, config.micro_batching)
-    split_done = time.perf_counter()
     memory_limit = search_memory_limit(cost_model, config)
-    candidates = schedule_candidates(config)
-    dtype_bytes = _DTYPE_BYTES[config.dtype]
-    schedule_s = lower_s = 0.0
+    timings: dict = {}
+    try:
+        batch, picked = split_that_runs(lengths, config, cost_model, memory_limit, timings)
+    except MemoryLimitError as err:
+        raise MemoryLimitError(f"iteration {iteration}: {err}") from err
+    split_done = time.perf_counter()
     plan_bytes: dict[tuple[int, int], bytes] = {}
-    schedules, predicted = [], []
-    for dp_rank, micro_batches in enumerate(batch.replicas):
-        t0 = time.perf_counter()
-        costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
-        try:
-            schedule, result = search_schedule(costs, memory_limit, config.pp, candidates,
-                                               waves=(config.waves,))
-        except ValueError as err:
-            raise ValueError(f"iteration {iteration}, data-parallel replica {dp_rank} "
-                             f"({len(micro_batches)} micro-batches): {err}") from err
-        t1 = time.perf_counter()
-        plans = lower(schedule, micro_batches, config.spec, config.dtype, iteration, dp_rank,
-                      config.recv_lookahead, timing=result)
+    for dp_rank, (micro_batches, chosen) in enumerate(zip(batch.replicas, picked)):
+        plans = lower(chosen.schedule, micro_batches, config.spec, config.dtype, iteration,
+                      dp_rank, config.recv_lookahead, timing=chosen.result)
         if config.check_plans:
             check_plans(plans, config.spec)
         for plan in plans:
             plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(plan)
-        schedule_s += t1 - t0
-        lower_s += time.perf_counter() - t1
-        schedules.append(schedule.name)
-        predicted.append(float(result.makespan_ms))
     total_s = time.perf_counter() - start
-    timings = {"split": (split_done - start) * 1e3, "schedule": schedule_s * 1e3,
-               "lower_check": lower_s * 1e3, "total": total_s * 1e3}
-    return IterationPlan(iteration, batch, plan_bytes, tuple(schedules), tuple(predicted),
-                         timings)
+    timings.update(lower_check=(time.perf_counter() - split_done) * 1e3, total=total_s * 1e3)
+    return IterationPlan(iteration, batch, plan_bytes,
+                         tuple(c.schedule.name for c in picked),
+                         tuple(float(c.result.makespan_ms) for c in picked), timings)
 
 
 def iteration_plan_fn(config: IterationPlannerConfig):

@@ -46,6 +46,24 @@ alike) must match in posting order (one tag per pair), and every posted op must 
 own (gloo's isend/irecv do). NCCL runs the ops of one communicator in posting order on one
 stream, where a pending receive would block a later send to the same peer; give each direction
 of a pair its own communicator (process group) there so the model above holds.
+
+What is assumed of NCCL, and why the order above is then safe:
+1. Posting never blocks the host. NCCL creates a pair's communicator lazily, on the pair's
+   first operation, and that creation blocks the host until the peer joins -- which would turn
+   a Start into a rendezvous the argument above does not model (two ranks each blocked in a
+   Start towards the other's later Start). The trainer therefore creates every pair's
+   communicator at set-up with a warm-up exchange on each direction's group
+   (megatron/training/distributed_setup.warm_up_pipeline_transfers); after it, isend/irecv
+   only enqueue work and return.
+2. Per communicator, operations complete in posting order on one stream: a Finish of
+   transfer k waits for transfers 1..k of its communicator, all posted earlier on both ends
+   in the same order (the per-pair order above), so it waits for nothing the induction has
+   not already started.
+3. The two directions of a pair never share a stream (one group per direction), so a
+   receive posted early (recv_lookahead) never sits in front of a send of the other
+   direction: a pair's communicator of one direction only carries one end's sends.
+4. A send completes once the receiver has posted the matching receive (rendezvous), which
+   is exactly the model above ("a Finish waits until the peer has started the matching op").
 """
 from __future__ import annotations
 

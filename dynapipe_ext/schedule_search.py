@@ -4,6 +4,12 @@ Costs come per stage count, because 1F1B / adaptive cut the model into P stages,
 schedule into 2*W*P and interleaving with v chunks into v*P: pass one PipelineCosts (P stages
 only), a mapping {num_stages: PipelineCosts}, or a callable num_stages -> PipelineCosts (e.g.
 micro_batch_costs(...), which asks the cost model and caches per stage count).
+
+`comm` (simulator.CommModel: latency + bytes / bandwidth per cross-rank transfer) enters every
+simulation that builds, ranks and times the candidates, so both the pick and the transfer
+order that lowering derives from the winning simulation account for the link; None treats
+transfers as free. The iteration planner passes the run's (--p2p-bandwidth-gbps /
+--p2p-latency-us).
 """
 from __future__ import annotations
 

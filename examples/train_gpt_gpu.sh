@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# GPT on NVIDIA GPUs with NCCL, bf16 weights and fp32 optimizer state: NGPU processes (default
-# all visible GPUs) as TP x PP x DP, GPT-2 BPE tokenizer, DynaPipe micro-batching and schedule
-# search. Point DATA_PATH at your own preprocessed FLAN dump (docs/DATA.md) for real runs.
+# GPT (24 layers, hidden 1024, 2048 tokens) on NVIDIA GPUs with NCCL, bf16 weights and fp32
+# optimizer state, GPT-2 BPE tokenizer, DynaPipe micro-batching and schedule search planned for
+# the device (memory from the GPU, compute rate from a start-up calibration; README "GPU").
+# TP (default 1) x PP (default 2 with 2+ GPUs per node) x DP over NNODES nodes of NGPU GPUs;
+# several nodes: run it on each with NNODES, NODE_RANK, MASTER_ADDR (node 0's) and MASTER_PORT.
+# DATA_PATH: your own preprocessed FLAN dump (docs/DATA.md); default the small sample. Extra
+# arguments go to pretrain_gpt.py. Without a visible CUDA device it exits with one line.
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$repo/tools/setup_env.sh"
-cd "$repo"
-ngpu="${NGPU:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
-tp="${TP:-1}"; pp="${PP:-$(( ngpu >= 2 ? 2 : 1 ))}"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
+gpu_check
+tp="${TP:-1}"; pp="${PP:-$(( GPUS >= 2 ? 2 : 1 ))}"
+gpu_check_layout "$tp" "$pp"
 if [ -z "${DATA_PATH:-}" ]; then
   WITH_GPT2_BPE=1 bash examples/prepare_data.sh
   DATA_PATH=data/quickstart/flan_gpt2
 fi
-exec torchrun --nproc-per-node "$ngpu" --master-addr 127.0.0.1 \
-  --master-port "${MASTER_PORT:-29500}" pretrain_gpt.py \
+gpu_launch pretrain_gpt.py \
   --data-path "$DATA_PATH" --tokenizer-type GPT2BPETokenizer \
   --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \
   --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" --bf16 \

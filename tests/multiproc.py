@@ -1,5 +1,6 @@
-"""Run a function in N fresh processes that form a gloo torch.distributed world, with a hard
-timeout: a hung or crashed rank fails the test with a message instead of hanging CI."""
+"""Run a function in N fresh processes that form a torch.distributed world (gloo on CPU unless
+asked for CUDA), with a hard timeout: a hung or crashed rank fails the test with a message
+instead of hanging CI."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -40,9 +41,11 @@ def single_process_world(seed: int):
                 os.environ[name] = value
 
 
-def _child(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def _child(fn, rank: int, world_size: int, port: int, args: tuple, results,
+           device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), DYNAPIPE_DEVICE=device)
     import torch
     torch.set_num_threads(1)
     try:
@@ -56,16 +59,17 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results) -> N
 
 
 def run_in_processes(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0,
-                     may_die: tuple[int, ...] = ()) -> list:
+                     may_die: tuple[int, ...] = (), device: str = "cpu") -> list:
     """Call `fn(rank, world_size, *args)` in `world_size` spawned processes (MASTER_ADDR/PORT,
-    RANK and WORLD_SIZE set for env:// init). Returns the ranks' return values (picklable, e.g.
+    RANK, WORLD_SIZE and LOCAL_RANK set for env:// init; DYNAPIPE_DEVICE=`device`: "cpu"
+    runs gloo even on a GPU host, "cuda" NCCL with rank r on GPU r). Returns the ranks' return values (picklable, e.g.
     numpy arrays); raises RuntimeError with the child traceback if any rank fails and
     TimeoutError naming the silent ranks if the timeout passes. Ranks in `may_die` are
     allowed to exit without a result (fault tests); their value is None."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, device),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -110,3 +110,45 @@ def test_cheapest_fitting_recompute_mode_is_chosen():
         c = cost_micro_batches(model, rows, seq, 0, 4, modes, limit)
         assert c.mode[0] == expected
         assert np.isfinite(c.time_ms[0]) == (expected >= 0)
+
+
+def test_per_micro_batch_rule_is_no_bound_for_a_mix():
+    """The counterexample of cost_model.memory_needed's docstring: two micro-batches that each
+    need 10 of a limit of 10 peak at 15 together under 1F1B (the simulator is the truth)."""
+    from dynapipe_ext.cost_model import StageCostArrays
+    from dynapipe_ext.schedules import one_f_one_b
+    from dynapipe_ext.simulator import PipelineCosts, simulate
+    kept = np.array([[5.0, 0.0], [5.0, 0.0]])          # [stage][micro-batch]: A keeps 5
+    transient = np.array([[0.0, 10.0], [0.0, 10.0]])   # B's transient peak is 10
+    zeros = np.zeros((2, 2))
+    need = memory_needed(StageCostArrays(zeros, zeros, kept, transient, np.ones(2, bool)))
+    assert need.tolist() == [10.0, 10.0]
+    costs = PipelineCosts(np.ones((2, 2)), np.ones((2, 2)), kept.T, transient.T)
+    assert simulate(one_f_one_b(2, 2), costs).max_peak_memory_bytes == 15.0
+
+
+def test_whole_stage_full_recompute_keeps_the_stage_input_and_rematerialises_every_layer():
+    per_layer = AnalyticCostModel(GPT, full_recompute="layer")
+    per_stage = AnalyticCostModel(GPT, full_recompute="stage")
+    args = (np.array([4]), np.array([256]), np.array([0]), 2)
+    none = per_layer.stage_cost_arrays(*args, "none")
+    layer = per_layer.stage_cost_arrays(*args, "full")
+    stage = per_stage.stage_cost_arrays(*args, "full")
+    hidden = 4 * 4 * 256 * GPT.hidden_size          # fp32 [seq, rows, hidden]
+    # stage 1 keeps only its received input; stage 0 (no input) only the output it sends on
+    assert stage.activation_bytes[:, 0].tolist() == [hidden, hidden]
+    assert (stage.activation_bytes < layer.activation_bytes).all()
+    # its backward holds every layer's no-recompute activations at once
+    assert (stage.peak_bytes[:, 0] >= none.activation_bytes[:, 0] - hidden).all()
+    assert (stage.peak_bytes > layer.peak_bytes).all()
+    with pytest.raises(ValueError, match="full_recompute"):
+        AnalyticCostModel(GPT, full_recompute="block")
+
+
+def test_dropout_masks_add_kept_bytes():
+    args = (np.array([2]), np.array([128]), np.array([0]), 1, "none")
+    plain = AnalyticCostModel(GPT).stage_cost_arrays(*args).activation_bytes[0, 0]
+    masked = AnalyticCostModel(GPT, dropout=True).stage_cost_arrays(*args).activation_bytes[0, 0]
+    # per GPT layer, fp32: 2 one-byte sbh masks x 2 + 3 more a*s^2*b copies, x 8 layers
+    s, b, h, a = 128, 2, GPT.hidden_size, GPT.num_attention_heads
+    assert masked - plain == pytest.approx(8 * 2 * (2 * s * b * h + 3 * a * b * s * s))

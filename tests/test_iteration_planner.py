@@ -5,14 +5,16 @@ import pickle
 import numpy as np
 import pytest
 
+from dynapipe_ext.cost_model import CostModel, StageCostArrays
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                             iteration_plan_fn, pipeline_layout, plan_iteration,
-                                            schedule_candidates)
+                                            schedule_candidates, split_that_runs)
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
 from dynapipe_ext.plan_checker import check_plans
-from dynapipe_ext.planners import PlannerConfig
+from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
 from dynapipe_ext.schedule_ir import linear_layout, wave_layout
+from dynapipe_ext.schedules import MemoryLimitError
 from dynapipe_ext.serialization import plan_from_bytes
 
 GPT = ModelSpec("gpt", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=512)
@@ -133,3 +135,49 @@ def test_background_workers_and_resume_give_the_inline_plans():
     assert _plans_from(1, 0, 5, config) == inline
     assert _plans_from(2, 0, 5, config) == inline
     assert _plans_from(2, 3, 2, config) == inline[3:]
+
+
+class MixCostModel(CostModel):
+    """Samples up to 64 tokens keep 2.5 bytes per row with no transient; longer ones keep
+    nothing but peak at 5 per row: each micro-batch fits a limit of 10 alone (2 rows) while
+    a long micro-batch after a short one under 1F1B peaks at 15. Time is mostly a fixed
+    overhead, so the split prefers few, full micro-batches."""
+
+    def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages, recompute="none"):
+        rows = np.asarray(rows, dtype=float)
+        long = np.asarray(seq_len) > 64
+        per_stage = lambda v: np.broadcast_to(v, (num_stages,) + rows.shape).copy()  # noqa
+        time = per_stage(10.0 + 1e-3 * rows * np.asarray(seq_len))
+        return StageCostArrays(time, 2 * time, per_stage(np.where(long, 0.0, 2.5 * rows)),
+                               per_stage(np.where(long, 5.0 * rows, 0.0)),
+                               np.ones(rows.shape, dtype=bool))
+
+    def activation_memory_limit(self):
+        return 10.0
+
+
+def mix_config(schedule: str) -> IterationPlannerConfig:
+    planner = PlannerConfig(model="gpt", max_seq_len=256, pipeline_stages=2, data_parallel=1,
+                            recompute_modes=("none",))
+    return IterationPlannerConfig(GPT, planner, "dynamic", schedule, pp=2, dp=1)
+
+
+def test_a_split_no_schedule_can_run_is_made_again_under_a_lower_limit():
+    lengths = np.array([32, 32, 32, 32, 200, 200])
+    config = mix_config("1f1b")
+    first = plan_micro_batches(lengths, config.planner, MixCostModel(), "dynamic")
+    assert [mb.num_rows for mb in first.micro_batches] == [2, 2, 2]   # each needs 10 of 10
+    batch, picked = split_that_runs(lengths, config, MixCostModel(), 10.0)
+    assert batch.info["memory_retries"] == [5.0]          # lowered by the 1F1B overshoot of 5
+    assert picked[0].result.max_peak_memory_bytes <= 10.0
+    assert picked[0].schedule.name == "1f1b"
+    assert sorted(s for mb in batch.micro_batches for s in mb.sample_ids) == list(range(6))
+
+
+def test_no_returned_split_exceeds_the_limit_under_its_schedule():
+    lengths = np.array([32, 32, 32, 32, 200, 200])
+    for schedule in ("auto", "1f1b", "adaptive"):
+        _, picked = split_that_runs(lengths, mix_config(schedule), MixCostModel(), 10.0)
+        assert all(p.result.max_peak_memory_bytes <= 10.0 for p in picked)
+    with pytest.raises(MemoryLimitError, match="no candidate schedule fit the split"):
+        split_that_runs(np.array([32, 32, 200]), mix_config("1f1b"), MixCostModel(), 6.0)

@@ -50,7 +50,7 @@ def small_planner_config(model: str = "gpt"):
     """A real planner configuration: 4 layers on PP=2, dynamic micro-batches."""
     from dynapipe_ext.model_spec import ModelSpec
     from megatron.training.arguments import parse_args
-    from megatron.training.plan_delivery import iteration_planner_config
+    from megatron.training.training import planner_config
     argv = ["--data-path", "data/flan", "--num-layers", "4", "--hidden-size", "64",
             "--num-attention-heads", "4", "--pipeline-model-parallel-size", "2",
             "--micro-batching", "dynamic"]
@@ -58,7 +58,7 @@ def small_planner_config(model: str = "gpt"):
         "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--decoder-num-layers", "4"]
     cfg = parse_args(model, argv + ["--train-iters", "4"], has_cuda=False)
     spec = ModelSpec(model, 4, 64, 4, 256, num_decoder_layers=4 if model == "t5" else 0)
-    return iteration_planner_config(cfg, spec, dp_size=1)
+    return planner_config(cfg, spec, dp=1)
 
 
 def gpt_lengths(iteration: int) -> np.ndarray:

@@ -3,7 +3,7 @@ replicas evenly and fails loudly on bad input."""
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import AnalyticCostModel, cost_micro_batches
+from dynapipe_ext.cost_model import AnalyticCostModel, cost_micro_batches, memory_needed
 from dynapipe_ext.microbatch import BatchPlan, MicroBatch, padding_efficiency
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.planners import (STRATEGIES, PlannerConfig, PlanningError, attention_efficiency,
@@ -198,8 +198,8 @@ def test_recompute_escalates_only_where_memory_demands():
     lengths = gpt_lengths(n=60, seed=9)
     lengths[:3] = 1024                                     # a few long samples
     cost = AnalyticCostModel(GPT)
-    one_long = cost_micro_batches(cost, np.array([1]), np.array([1024]), 0, 2, ("none",), 1e12)
-    need_none = float(one_long.memory_bytes[0]) * 2       # busiest stage, 2 in flight (lower bound)
+    need_none = float(memory_needed(cost.stage_cost_arrays(np.array([1]), np.array([1024]),
+                                                           np.array([0]), 2, "none"))[0])
     config = PlannerConfig(model="gpt", max_seq_len=1024, pipeline_stages=2,
                            memory_limit_bytes=need_none * 0.8)
     plan = plan_micro_batches(lengths, config, cost, "dynamic")

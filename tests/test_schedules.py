@@ -224,3 +224,42 @@ def test_costs_from_micro_batches_asks_the_cost_model():
     assert source(4) is source(4) and source(4).num_stages == 4
     with pytest.raises(ValueError, match=r"micro-batch 0 \(1 rows x seq_len 256.*infeasible"):
         costs_from_micro_batches([MicroBatch(((0,),), 256)], model, 2)
+
+
+def test_transfer_time_changes_the_picked_schedule():
+    """Two micro-batches on two ranks: with free transfers the wave (less bubble) wins; when
+    each cross-rank transfer costs 5 ms, its two crossings per micro-batch lose to 1F1B's one."""
+    from dynapipe_ext.simulator import CommModel, PipelineCosts
+
+    def costs(num_stages):
+        fwd = np.full((2, num_stages), 8.0 / num_stages)
+        return PipelineCosts(fwd, 2 * fwd, comm_bytes=np.full((2, num_stages), 1e6))
+    source = {2: costs(2), 4: costs(4)}
+    free, free_result = search_schedule(source, math.inf, 2, ("1f1b", "wave"))
+    slow, slow_result = search_schedule(source, math.inf, 2, ("1f1b", "wave"),
+                                        comm=CommModel(latency_ms=5.0))
+    assert free.name.startswith("wave") and slow.name == "1f1b"
+    assert slow_result.makespan_ms > free_result.makespan_ms
+    # 1F1B: 36 ms of compute on the critical path, plus one crossing each way at 5 ms
+    assert slow_result.makespan_ms == pytest.approx(36.0 + 2 * 5.0)
+
+
+def test_planner_config_comm_reaches_the_simulation_that_picks_the_schedule():
+    from dataclasses import replace
+
+    from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
+                                                plan_iteration)
+    from dynapipe_ext.planners import PlannerConfig
+    from dynapipe_ext.simulator import CommModel
+    spec = ModelSpec("gpt", num_layers=4, hidden_size=128, num_attention_heads=4,
+                     vocab_size=512)
+    planner = PlannerConfig(model="gpt", max_seq_len=256, pipeline_stages=2, data_parallel=1)
+    config = IterationPlannerConfig(spec, planner, pp=2, dp=1, check_plans=True,
+                                    cost_model=CostModelSource.analytic(max_seq_len=256))
+    lengths = np.random.default_rng(4).integers(8, 256, size=64)
+    free = plan_iteration(0, lengths, config)
+    slow = plan_iteration(0, lengths, replace(config, comm=CommModel(latency_ms=50.0)))
+    transfers = 2 * len(slow.batch_plan.micro_batches)    # one each way per micro-batch
+    assert slow.batch_plan.micro_batches == free.batch_plan.micro_batches
+    assert slow.predicted_ms[0] >= free.predicted_ms[0] + 2 * 50.0
+    assert slow.predicted_ms[0] <= free.predicted_ms[0] + transfers * 50.0

@@ -84,6 +84,12 @@ class TrainConfig:
     debug: bool = False                         # a failure prints its traceback too
     mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
     mixing_temperature: float = 1.0
+    # device figures for planning (None: from the device; megatron/training/device_costs.py)
+    device_flops: float | None = None
+    device_memory_gb: float | None = None
+    memory_headroom_gb: float | None = None
+    p2p_bandwidth_gbps: float | None = None
+    p2p_latency_us: float | None = None
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -202,6 +208,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler),
          "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
          "mutually exclusive")
+    for name in ("device_flops", "device_memory_gb", "p2p_bandwidth_gbps"):
+        value = getattr(cfg, name)
+        need(value is None or value > 0, f"--{flag(name)} must be > 0, got {value}")
+    for name in ("memory_headroom_gb", "p2p_latency_us"):
+        value = getattr(cfg, name)
+        need(value is None or value >= 0, f"--{flag(name)} must be >= 0, got {value}")
+    need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
+         "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems
 
 
@@ -295,6 +309,20 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="run the plan checker on every plan before executing it")
     g.add_argument("--cost-model", default="analytic",
                    help="'analytic' or the path of a measured profile")
+    g.add_argument("--device-flops", type=float, default=None,
+                   help="device compute rate (FLOP/s) the planner assumes; default: a short "
+                        "matmul calibration on GPU, a fixed nominal rate on CPU")
+    g.add_argument("--device-memory-gb", type=float, default=None,
+                   help="memory per rank (GiB) the planner assumes; default: the GPU's total "
+                        "memory, on CPU the physical memory / ranks on this node")
+    g.add_argument("--memory-headroom-gb", type=float, default=None,
+                   help="memory (GiB) kept free for the allocator, CUDA context and NCCL; "
+                        "default 10%% of the memory, + 1 GiB on GPU")
+    g.add_argument("--p2p-bandwidth-gbps", type=float, default=None,
+                   help="pipeline link bandwidth (GB/s) for the schedule search; default: "
+                        "timed at start-up on GPU with PP > 1, not modelled on CPU")
+    g.add_argument("--p2p-latency-us", type=float, default=None,
+                   help="pipeline link latency (microseconds), with --p2p-bandwidth-gbps")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -433,7 +461,10 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         debug=args.debug, mixing_cap=args.mixing_cap,
-        mixing_temperature=args.mixing_temperature)
+        mixing_temperature=args.mixing_temperature,
+        device_flops=args.device_flops,
+        device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
+        p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us)
 
 
 def config_field_names() -> list[str]:

@@ -1,9 +1,10 @@
 """Process groups, seeds and the CPU workarounds megatron-core 0.16.1 needs (DESIGN.md section 4).
 
 `setup_model_parallel` is the one entry point: it checks the layout on every rank before any
-collective, starts `torch.distributed` (gloo on CPU, NCCL on GPU) with a timeout, builds the
-megatron-core TP/PP/DP groups, seeds the RNGs and, on CPU, installs an attention score buffer
-that lives on the CPU and grows on demand.
+collective, starts `torch.distributed` (gloo on CPU, NCCL on GPU; DYNAPIPE_DEVICE=cpu forces
+gloo on a GPU host) with a timeout, builds the megatron-core TP/PP/DP groups and the pipeline's
+per-direction transfer groups, warms every pipeline pair's transfer path up, seeds the RNGs
+and, on CPU, installs an attention score buffer that lives on the CPU and grows on demand.
 """
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import GlobalMemoryBuffer
 
 DEFAULT_TIMEOUT_S = 120.0
+DEVICE_ENV = "DYNAPIPE_DEVICE"    # "cpu": gloo and CPU tensors even where CUDA is visible
+
+
+def use_cuda() -> bool:
+    """Whether this process trains on a GPU: CUDA is visible and DYNAPIPE_DEVICE is not 'cpu'
+    (the CPU test suite sets it, so its multi-rank tests run on gloo on a GPU host too)."""
+    choice = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if choice not in ("", "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={choice!r}: use 'cpu', 'cuda' or leave it unset")
+    return choice != "cpu" and torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,7 @@ def install_cpu_memory_buffer() -> None:
 def seed_everything(seed: int) -> None:
     """Seed torch and megatron-core's RNG tracker (the tracker is what dropout forks from)."""
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(
-        seed, inference_rng_tracker=not torch.cuda.is_available())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda())
 
 
 def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
@@ -102,9 +112,9 @@ def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
                              num_attention_heads)
     except ValueError as err:
         raise ValueError(f"rank {rank}: {err}") from None
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
+    on_gpu = use_cuda() and backend != "gloo"
+    backend = backend or ("nccl" if on_gpu else "gloo")
+    if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -118,7 +128,8 @@ def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
     parallel_state.initialize_model_parallel(tp, pp, distributed_timeout_minutes=timeout_min)
     global _P2P_GROUPS
     _P2P_GROUPS = make_pipeline_p2p_groups(datetime.timedelta(seconds=timeout_s))
-    if not use_cuda:
+    warm_up_pipeline_transfers(_P2P_GROUPS, current_layout().device)
+    if not on_gpu:
         install_cpu_memory_buffer()
     seed_everything(seed)
     return current_layout()
@@ -144,6 +155,41 @@ def make_pipeline_p2p_groups(timeout: datetime.timedelta) -> tuple:
     return groups
 
 
+def warm_up_pipeline_transfers(groups: tuple, device: torch.device) -> dict:
+    """One tiny exchange between neighbouring pipeline ranks on each direction's group, with
+    the same isend/irecv calls the handlers use. NCCL creates a pair's communicator on the
+    pair's first operation and blocks the host until the peer joins; done here, at set-up, no
+    SendXStart / RecvXStart of a plan is ever such a rendezvous (lowering.py's deadlock
+    argument assumes it is not). Neighbours are the pairs the trainer's layouts use (linear
+    and wave: stage s and s+1 sit on adjacent pipeline ranks). The same code runs on gloo.
+    Each rank first receives from the side the traffic comes from, then sends on, so the
+    chain of communicator creations always completes. Returns {(direction, peer pipeline
+    rank): the pipeline rank that peer sent} (direction 0: towards higher ranks)."""
+    received = {}
+    if groups is None:
+        return received
+    me, size = dist.get_rank(groups[0]), dist.get_world_size(groups[0])
+    for direction, group in enumerate(groups):
+        step = 1 if direction == 0 else -1
+        source, target = me - step, me + step
+        works, buffers = [], {}
+        if 0 <= source < size:
+            buffers[source] = torch.full((1,), -1, dtype=torch.int64, device=device)
+            works.append(dist.irecv(buffers[source], dist.get_global_rank(group, source),
+                                    group=group))
+        if 0 <= target < size:
+            works.append(dist.isend(torch.full((1,), me, dtype=torch.int64, device=device),
+                                    dist.get_global_rank(group, target), group=group))
+        for work in works:
+            work.wait()
+        received.update({(direction, peer): int(t.item()) for peer, t in buffers.items()})
+    bad = {k: v for k, v in received.items() if v != k[1]}
+    if bad:
+        raise RuntimeError(f"pipeline rank {me}: transfer warm-up received {bad} "
+                           f"((direction, peer): value), expected each peer's own rank")
+    return received
+
+
 def pipeline_p2p_groups() -> tuple:
     """(towards higher pipeline ranks, towards lower pipeline ranks), made by
     setup_model_parallel; group ranks equal pipeline ranks."""
@@ -163,7 +209,7 @@ def current_layout() -> ParallelLayout:
         dp_rank=parallel_state.get_data_parallel_rank(),
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         device=torch.device("cuda", torch.cuda.current_device()) if (
-            torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu"))
+            use_cuda() and dist.get_backend() == "nccl") else torch.device("cpu"))
 
 
 def teardown_model_parallel() -> None:

@@ -25,11 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                            iteration_plan_fn)
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.iteration_planner import IterationPlannerConfig, iteration_plan_fn
 from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
-from dynapipe_ext.planners import PlannerConfig
 
 PLAN, ERROR = 1, 2                 # header kinds
 HEADER_TAG, PAYLOAD_TAG = 1, 2     # point-to-point tags on the plan group
@@ -79,28 +76,6 @@ def _wait(works: list, deadline: float) -> None:
             if time.monotonic() >= deadline:
                 raise TimeoutError from None
             raise
-
-
-def iteration_planner_config(cfg, spec: ModelSpec, dp_size: int) -> IterationPlannerConfig:
-    """The planner settings of a training run (`cfg`: megatron.training.arguments.TrainConfig).
-    `--cost-model analytic` or a profile file; bf16/fp16 runs plan 2-byte transfers."""
-    dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
-    is_t5 = cfg.model == "t5"
-    dec_len = cfg.decoder_seq_length if is_t5 else 0
-    planner = PlannerConfig(model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=dec_len,
-                            pipeline_stages=cfg.pipeline_model_parallel_size,
-                            data_parallel=dp_size, micro_batch_size=cfg.micro_batch_size or None,
-                            packing_algorithm=cfg.packing_algorithm.replace("-", ""))
-    if cfg.cost_model == "analytic":
-        cost_model = CostModelSource.analytic(max_seq_len=cfg.seq_length,
-                                              max_dec_seq_len=dec_len or None,
-                                              dtype_bytes=4 if dtype == "float32" else 2)
-    else:
-        cost_model = CostModelSource.profile(cfg.cost_model)
-    return IterationPlannerConfig(spec, planner, cfg.micro_batching, cfg.pipeline_schedule,
-                                  pp=cfg.pipeline_model_parallel_size, dp=dp_size,
-                                  tp=cfg.tensor_model_parallel_size, cost_model=cost_model,
-                                  dtype=dtype, check_plans=cfg.check_plans)
 
 
 def start_plan_delivery(planner_config: IterationPlannerConfig, lengths_fn: Callable[[int], Any],

@@ -9,6 +9,7 @@ executor, all-reduce gradients over data parallel, clip, step, log and save.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -20,8 +21,7 @@ from megatron.core import parallel_state
 
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                             pipeline_layout)
+from dynapipe_ext.iteration_planner import IterationPlannerConfig, pipeline_layout
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -30,10 +30,10 @@ from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
-from megatron.training import checkpointing
+from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
-                                                  setup_model_parallel)
+                                                  setup_model_parallel, use_cuda)
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers,
                                         micro_batch_order)
@@ -182,21 +182,22 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
 # ---------------------------------------------------------------------------- planning
 
 def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlannerConfig:
-    """What the iteration planner needs to know about this run (picklable, for its workers).
-    Its `pipeline_layout` is also the stage layout the model is built with."""
+    """What the iteration planner needs to know about this run (picklable, for its workers),
+    with the cost model of this run's device and precision (device_costs). The one place a
+    run's planner settings are made: trainer, tools and tests call it. Its `pipeline_layout`
+    is also the stage layout the model is built with."""
     pp = cfg.pipeline_model_parallel_size
     split = PlannerConfig(
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
         pipeline_stages=pp, data_parallel=dp, tokens_per_global_batch=cfg.tokens_per_global_batch,
         micro_batch_size=cfg.micro_batch_size if cfg.micro_batching == "padding" else None,
         packing_algorithm=cfg.packing_algorithm)
-    costs = (CostModelSource.analytic() if cfg.cost_model == "analytic"
-             else CostModelSource.profile(cfg.cost_model))
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size, cost_model=costs, dtype=model_dtype(cfg),
-        check_plans=cfg.check_plans)
+        tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp),
+        dtype=model_dtype(cfg), check_plans=cfg.check_plans,
+        comm=device_costs.comm_model(cfg))
 
 
 def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, dtype: str,
@@ -273,7 +274,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     plans with its own cost-model figures); `verbose=False` keeps rank 0 from printing."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_device_precision(cfg, torch.cuda.is_available())
+    check_device_precision(cfg, use_cuda())
     data = open_training_data(cfg, rank)
     spec = model_spec(cfg, data.vocab_size)
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
@@ -284,6 +285,9 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         timeout_s=cfg.distributed_timeout_minutes * 60, total_layers=spec.total_layers,
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
+    if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
+        link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
+        plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     stages = build_stages(cfg, spec, layout, stage_to_rank)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
                              parallel_state.get_data_parallel_group() if layout.dp > 1 else None)
@@ -366,6 +370,7 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
           f"{layout.device.type}; micro-batching {cfg.micro_batching}, schedule "
           f"{cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
           f"to the sequence length; iterations {start}..{cfg.train_iters}", flush=True)
+    print(f"[train] planning for {device_costs.device_figures(cfg).describe()}", flush=True)
 
 
 def train_step(run: TrainingRun, iteration: int) -> IterationStats:
