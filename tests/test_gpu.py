@@ -19,7 +19,8 @@ import torch
 
 from multiproc import run_in_processes
 from test_device_costs import _warm_up_rank, expected_warm_up
-from test_training import REPO, env_with_repo, free_port_pair, sp_dataset  # noqa: F401
+from tests.multiproc import free_port
+from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="no CUDA device is visible")
@@ -200,7 +201,7 @@ def test_short_training_run_with_the_device_cost_model(model, sp_dataset, tmp_pa
         "--num-planner-workers", "1", "--lr", "1e-3"]
     stats_file = tmp_path / "stats.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), script,
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script,
            *argv, "--stats-file", str(stats_file)]
     done = subprocess.run(cmd, cwd=REPO, env=dict(env_with_repo(), DYNAPIPE_DEVICE="cuda"),
                           capture_output=True, text=True, timeout=600)
