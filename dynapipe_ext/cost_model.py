@@ -98,8 +98,11 @@ class AnalyticCostModel(CostModel):
     Korthikanti et al. (arXiv 2205.05198), ~ s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision
     (scaled by dtype_bytes/2) with dropout; without (`dropout=False`, how the trainer builds
     its layers) the 1-byte dropout masks and the dropped-out attention copy go:
-    ~ s*b*h*(32 + 2*a*s/h). 'selective' drops the s^2 attention terms, 'full' keeps only the
-    layer input. A stage that sends its output on also keeps it until its backward (the
+    ~ s*b*h*(32 + 2*a*s/h). The trainer's attention (SDPA, fused kernels) keeps no s^2
+    tensor for backward at all, only a float32 log-sum-exp per query and head, so the s^2
+    terms are replaced by that (`fused_attention=False` restores them for an unfused
+    attention). 'selective' drops the attention's kept terms, 'full' keeps only the layer
+    input. A stage that sends its output on also keeps it until its backward (the
     handlers hold it for autograd). `full_recompute` says how 'full' recomputes: "layer", one
     checkpoint per transformer layer (megatron-core on GPU), or "stage", the whole stage in one
     checkpoint (the trainer's CPU path): it keeps only the stage's input and output, and its
@@ -111,7 +114,8 @@ class AnalyticCostModel(CostModel):
                  dtype_bytes: int = 4, max_seq_len: int | None = None,
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
                  half_rate_tokens: float = 512.0, num_stages: int = 1,
-                 dropout: bool = False, full_recompute: str = "layer"):
+                 dropout: bool = False, full_recompute: str = "layer",
+                 fused_attention: bool = True):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
@@ -132,6 +136,7 @@ class AnalyticCostModel(CostModel):
         self.num_stages = num_stages
         self.dropout = dropout
         self.full_recompute = full_recompute
+        self.fused_attention = fused_attention
 
     # ---- model states
     def layer_params(self, kind: str) -> float:
@@ -175,8 +180,9 @@ class AnalyticCostModel(CostModel):
                 att = 4 * b * d * d * h / tp + 4 * b * s * d * h / tp
                 kept_lin = half * ((12 + 3 * masks) * b * d * h
                                    + (12 * b * d * h + 4 * b * d * f + 4 * b * s * h) / tp)
-                kept_att = half * att_copies * a * b * (d * d + s * d) / tp
-                score = dt * a * b * (d * d + s * d) / tp
+                kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
+                            else half * att_copies * a * b * (d * d + s * d) / tp)
+                score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
                 ffn = dt * b * d * f / tp
             else:
@@ -184,8 +190,9 @@ class AnalyticCostModel(CostModel):
                 att = 4 * b * s * s * h / tp
                 kept_lin = half * ((8 + 2 * masks) * b * s * h
                                    + (8 * b * s * h + 4 * b * s * f) / tp)
-                kept_att = half * att_copies * a * b * s * s / tp
-                score = dt * a * b * s * s / tp
+                kept_att = (4.0 * a * b * s / tp if self.fused_attention
+                            else half * att_copies * a * b * s * s / tp)
+                score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
                 ffn = dt * b * s * f / tp
             transient = 2 * score + ffn

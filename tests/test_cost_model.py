@@ -147,8 +147,24 @@ def test_whole_stage_full_recompute_keeps_the_stage_input_and_rematerialises_eve
 
 def test_dropout_masks_add_kept_bytes():
     args = (np.array([2]), np.array([128]), np.array([0]), 1, "none")
-    plain = AnalyticCostModel(GPT).stage_cost_arrays(*args).activation_bytes[0, 0]
-    masked = AnalyticCostModel(GPT, dropout=True).stage_cost_arrays(*args).activation_bytes[0, 0]
-    # per GPT layer, fp32: 2 one-byte sbh masks x 2 + 3 more a*s^2*b copies, x 8 layers
+    def kept(**options):
+        return AnalyticCostModel(GPT, **options).stage_cost_arrays(*args).activation_bytes[0, 0]
     s, b, h, a = 128, 2, GPT.hidden_size, GPT.num_attention_heads
-    assert masked - plain == pytest.approx(8 * 2 * (2 * s * b * h + 3 * a * b * s * s))
+    # per GPT layer, fp32: 2 one-byte sbh masks x 2 (x 8 layers); an unfused attention also
+    # keeps 3 more a*s^2*b copies (its dropout mask and dropped-out scores)
+    assert kept(dropout=True) - kept() == pytest.approx(8 * 2 * (2 * s * b * h))
+    unfused = dict(fused_attention=False)
+    assert kept(dropout=True, **unfused) - kept(**unfused) == pytest.approx(
+        8 * 2 * (2 * s * b * h + 3 * a * b * s * s))
+
+
+def test_fused_attention_keeps_no_s_squared_activations():
+    s, b, a = 1024, 2, GPT.num_attention_heads
+    def kept(seq, **options):
+        return AnalyticCostModel(GPT, **options).stage_cost_arrays(
+            np.array([b]), np.array([seq]), np.array([0]), 1, "none").activation_bytes[0, 0]
+    # doubling the length doubles what the fused attention keeps (linear in s)...
+    linear = kept(2 * s) / kept(s)
+    assert kept(2 * s, fused_attention=False) / kept(s, fused_attention=False) > linear
+    # ...up to the head's logits, which are linear too
+    assert linear == pytest.approx(2.0, rel=1e-9)

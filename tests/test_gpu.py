@@ -31,6 +31,15 @@ BF16_GRAD_RTOL = 5e-2       # per parameter: ||g_bf16 - g_fp32|| / ||g_fp32||
 FLOPS = "1e14"              # fixed, so this test can re-plan exactly what the run planned
 
 
+REQUIRED_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--train-iters", "1"]
+
+
+def parse_args_sized(model, argv, **kwargs):
+    """parse_args with the flags Megatron requires; the test's own argv overrides them."""
+    return parse_args(model, REQUIRED_FLAGS + list(argv), **kwargs)
+
+
 def report(name: str, figures: dict) -> None:
     """Print the figures and keep them in runs/gpu_suite/<name>.json."""
     print(f"[gpu suite] {name}: {json.dumps(figures)}")
@@ -173,7 +182,7 @@ def predicted_rank0_peak(model: str, argv: list, world: int, iterations: int) ->
                                                 split_that_runs)
     from megatron.training.arguments import parse_args
     from megatron.training.training import model_spec, open_training_data, planner_config
-    cfg = parse_args(model, argv, has_cuda=True)
+    cfg = parse_args_sized(model, argv, has_cuda=True)
     data = open_training_data(cfg)
     config = planner_config(cfg, model_spec(cfg, data.vocab_size),
                             cfg.data_parallel_size(world))
@@ -210,7 +219,7 @@ def test_short_training_run_with_the_device_cost_model(model, sp_dataset, tmp_pa
     stats = [json.loads(line) for line in open(stats_file)]
     measured = max(s["peak_memory_bytes"] for s in stats)
     predicted = predicted_rank0_peak(model, argv, world, iterations)
-    usable = device_figures(parse_args(model, argv, has_cuda=True)).usable_bytes
+    usable = device_figures(parse_args_sized(model, argv, has_cuda=True)).usable_bytes
     steady = stats[1:]
     report(f"training_{model}_{world}gpu", {
         "device": torch.cuda.get_device_name(0), "gpus": world,
@@ -246,7 +255,7 @@ def test_device_probe_and_calibration_on_the_gpu(monkeypatch):
     from megatron.training.arguments import parse_args
     monkeypatch.setenv("DYNAPIPE_DEVICE", "cuda")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    figures = device_costs.device_figures(parse_args("gpt", ["--data-path", "x", "--bf16"],
+    figures = device_costs.device_figures(parse_args_sized("gpt", ["--data-path", "x", "--bf16"],
                                                      has_cuda=True))
     total = torch.cuda.get_device_properties(0).total_memory
     assert figures.kind == "cuda" and figures.memory_bytes == total
