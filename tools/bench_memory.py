@@ -95,14 +95,14 @@ use after every aten op above the start (megatron/training/memory_bench.py). `*`
 
 Worst |predicted / measured - 1| by mode: {worst}.
 
-Reading it: the model is within the target except where marked; where it misses, it
-over-predicts (the last rank with selective recompute, by up to 16%; not analysed further),
-which costs some micro-batch size but no out-of-memory risk. Full recompute is modelled as the CPU path runs it
-(`full_recompute="stage"`: one torch.utils.checkpoint over the whole stage, whose backward
-re-materialises every layer at once); with per-layer recompute (megatron-core on GPU, the model's
-"layer" setting) the same plans would be under-predicted by up to 36% on CPU. The same
-comparison against `torch.cuda.max_memory_allocated` is in the GPU suite (tests/test_gpu.py),
-which has not run yet.
+Reading it: rows marked `*` miss the target. The attention is the fused SDPA module, which
+keeps no s x s tensor for backward; the model counts only its float32 log-sum-exp, so
+'selective' recompute saves almost nothing. Full recompute is modelled as the runtime runs it on
+every device (`full_recompute="stage"`: one torch.utils.checkpoint over the whole stage, whose
+backward re-materialises every layer at once), so it lowers what a rank keeps between forward
+and backward but not much the backward peak. The same comparison against
+`torch.cuda.max_memory_allocated` is in the GPU suite (tests/test_gpu.py), which has not run
+yet.
 """
 
 
