@@ -1,0 +1,169 @@
+"""Spindle planner: contraction, estimator fit, allocator optimality against brute force,
+wavefront scheduler and the wave-plan checker."""
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from dynapipe_ext.plan_checker import PlanError
+from dynapipe_ext.spindle.allocator import allocate, allocate_lanes, relaxed_common_time
+from dynapipe_ext.spindle.checker import check_wave_plan
+from dynapipe_ext.spindle.configs import CONFIGS, FULL_RECOMPUTE, simulated_estimator
+from dynapipe_ext.spindle.contraction import MetaOp, contract, metalevels
+from dynapipe_ext.spindle.estimator import CommModel, Estimator, LayerFit, fit_layer
+from dynapipe_ext.spindle.model import Component, MTModel, Task, TaskStep
+from dynapipe_ext.spindle.scheduler import Cluster, plan, spindle_plan
+
+GiB = 2**30
+
+
+def _toy(same_kind_backbone: bool = False) -> MTModel:
+    comps = (Component("img", "encoder", "vit", 3, 100, 8),
+             Component("txt", "encoder", "tf", 2, 100, 8),
+             Component("mid", "backbone", "vit" if same_kind_backbone else "tf", 4, 100, 8),
+             Component("cls", "head", "head", 1, 10, 4))
+    tasks = (Task("a", 8, (TaskStep("img", 16), TaskStep("mid", 16, ("img",)),
+                           TaskStep("cls", 1, ("mid",)))),
+             Task("b", 4, (TaskStep("txt", 32), TaskStep("img", 16),
+                           TaskStep("mid", 32, ("txt", "img")), TaskStep("cls", 1, ("mid",)))))
+    return MTModel(comps, tasks)
+
+
+def test_contraction_makes_one_metaop_per_component_chain_with_levels():
+    ops = contract(_toy(), batch_tasks=False)
+    names = sorted(m.name for m in ops)
+    assert names == ["a:cls", "a:img", "a:mid", "b:cls", "b:img", "b:mid", "b:txt"]
+    by = {m.name: m for m in ops}
+    assert by["a:img"].layers == 3 and by["b:mid"].layers == 4
+    assert by["a:mid"].tokens == 8 * 16 and by["b:mid"].samples == 4
+    assert {by[by["b:mid"].name].preds} == {tuple(sorted((by["b:txt"].id, by["b:img"].id)))}
+    assert [m.level for m in (by["b:txt"], by["b:mid"], by["b:cls"])] == [0, 1, 2]
+    assert all(p < m.id for m in ops for p in m.preds)          # ids are topological
+    assert [len(level) for level in metalevels(ops)] == [3, 2, 2]
+
+
+def test_contraction_joins_components_of_same_kind_and_workload():
+    ops = contract(_toy(same_kind_backbone=True), batch_tasks=False)
+    by = {m.name: m for m in ops}
+    # task a: img (vit, 16 tokens) feeds only mid (vit, 16 tokens): one chain of 7 layers
+    assert by["a:img+mid"].layers == 7 and by["a:img+mid"].components == ("img", "mid")
+    # task b: mid has two inputs, so it starts a MetaOp of its own
+    assert "b:mid" in by and by["b:img"].layers == 3
+
+
+def test_batching_merges_same_shape_metaops_of_different_tasks():
+    ops = contract(_toy())
+    img = [m for m in ops if m.components == ("img",)]
+    assert len(img) == 1 and img[0].tasks == ("a", "b") and img[0].samples == 12
+    assert img[0].sample_keys()[8] == ("b", 0)
+    cls = [m for m in ops if m.components == ("cls",)]
+    assert len(cls) == 1 and set(cls[0].preds) == {m.id for m in ops if m.components == ("mid",)}
+
+
+def test_model_rejects_bad_descriptions_with_names():
+    comp = Component("e", "encoder", "k", 1, 1, 1)
+    with pytest.raises(ValueError, match="task 't', step 0: unknown component 'x'"):
+        MTModel((comp,), (Task("t", 1, (TaskStep("x", 4),)),))
+    with pytest.raises(ValueError, match="input 'f' is not an earlier step"):
+        MTModel((comp,), (Task("t", 1, (TaskStep("e", 4, ("f",)),)),))
+    with pytest.raises(ValueError, match="role"):
+        Component("e", "decoder", "k", 1, 1, 1)
+
+
+def test_fit_layer_recovers_overhead_and_slope():
+    fit = fit_layer([(t, 0.002 + 1e-6 * t) for t in (100, 1000, 5000)])
+    assert fit.overhead_s == pytest.approx(0.002) and fit.per_token_s == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="two or more token counts"):
+        fit_layer([(10, 1.0)])
+
+
+def _op(i, layers, samples, tokens, kind="k"):
+    return MetaOp(i, (f"t{i}",), (samples,), kind, (f"c{i}",), layers, samples, tokens,
+                  1, 1, (), 0)
+
+
+def _est(overhead, per_token):
+    return Estimator({"k": LayerFit(overhead, per_token)}, CommModel(1e-5, 1e-9))
+
+
+def test_relaxed_common_time_is_total_work_over_devices_without_overhead():
+    est = _est(0.0, 1e-3)
+    ops = [_op(0, 2, 64, 6400), _op(1, 1, 64, 3200), _op(2, 3, 64, 640)]
+    c, shares = relaxed_common_time(ops, est, 8)
+    work = sum(est.time(m, 1) for m in ops)
+    assert c == pytest.approx(work / 8, rel=1e-6)
+    assert sum(shares.values()) == pytest.approx(8, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_integer_allocation_matches_brute_force(seed):
+    rng = random.Random(seed)
+    est = _est(rng.uniform(0, 0.01), rng.uniform(1e-6, 1e-4))
+    n_ops = rng.randint(1, 4)
+    devices = rng.randint(n_ops, 7)
+    ops = [_op(i, rng.randint(1, 6), rng.randint(1, 9), 0) for i in range(n_ops)]
+    ops = [dataclasses.replace(m, tokens=m.samples * rng.randint(10, 3000)) for m in ops]
+    counts, time = allocate_lanes([[m] for m in ops], est, devices)
+    best = min(max(est.time(m, k) for m, k in zip(ops, ks))
+               for ks in itertools.product(range(1, devices + 1), repeat=n_ops)
+               if sum(ks) <= devices)
+    assert time == pytest.approx(best)
+    assert sum(counts) <= devices
+    alloc = allocate(ops, est, devices)
+    assert alloc.relaxed <= best * (1 + 1e-9)          # C* bounds every integer allocation
+    assert alloc.relaxed <= alloc.time * (1 + 1e-9)
+    assert alloc.time <= best * (1 + 1e-9)             # lanes never do worse than singletons
+
+
+def test_small_metaops_share_a_lane_instead_of_idling_devices():
+    est = _est(0.0, 1e-3)
+    big = _op(0, 1, 64, 64_000)
+    smalls = [_op(i, 1, 4, 40) for i in range(1, 5)]
+    alloc = allocate([big] + smalls, est, 4)       # five MetaOps, four devices
+    assert len(alloc.lanes) == 2 and alloc.devices_of(0) == 3
+    assert alloc.time == pytest.approx(max(est.time(big, 3), sum(est.time(m, 1) for m in smalls)))
+    assert alloc.relaxed <= alloc.time
+
+
+def _plans():
+    for name, make in CONFIGS.items():
+        model = make()
+        est = simulated_estimator(model, full_recompute=name in FULL_RECOMPUTE)
+        for n in (8, 16, 32, 64):
+            for strategy in ("spindle", "uniform", "sequential"):
+                yield name, n, strategy, plan(strategy, model, est, Cluster(n, 80 * GiB))
+
+
+def test_checker_accepts_every_plan_and_spindle_beats_sequential():
+    times = {}
+    for name, n, strategy, p in _plans():
+        check_wave_plan(p)
+        times[name, n, strategy] = p.iteration_s
+        assert p.relaxed_s <= p.compute_s * (1 + 1e-9)
+    for (name, n, strategy), t in times.items():
+        if strategy == "spindle":
+            assert t < times[name, n, "sequential"], (name, n)
+
+
+def test_scheduler_respects_dependencies_and_checker_catches_violations():
+    model = CONFIGS["ofa-multitask"]()
+    est = simulated_estimator(model)
+    p = spindle_plan(model, est, Cluster(8, 80 * GiB))
+    check_wave_plan(p)
+    wave_of = {q.op: w for w, wave in enumerate(p.waves) for q in wave.placed}
+    assert all(wave_of[d] < wave_of[m.id] for m in p.metaops for d in m.preds)
+    swapped = dataclasses.replace(p, waves=(p.waves[1], p.waves[0]) + p.waves[2:])
+    with pytest.raises(PlanError, match="not before"):
+        check_wave_plan(swapped)
+    wave = p.waves[0]
+    a, b = wave.placed[0], wave.placed[1]
+    clash = dataclasses.replace(b, devices=a.devices[:1], start_s=a.start_s)
+    bad = dataclasses.replace(p, waves=(dataclasses.replace(
+        wave, placed=(a, clash) + wave.placed[2:]),) + p.waves[1:])
+    with pytest.raises(PlanError, match="overlap"):
+        check_wave_plan(bad)
+    with pytest.raises(PlanError, match="needs .* GiB"):
+        check_wave_plan(dataclasses.replace(p, memory_bytes=1.0))
+    with pytest.raises(PlanError, match="never run"):
+        check_wave_plan(dataclasses.replace(p, waves=p.waves[:-1]))
