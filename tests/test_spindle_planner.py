@@ -61,6 +61,15 @@ def test_batching_merges_same_shape_metaops_of_different_tasks():
     assert len(cls) == 1 and set(cls[0].preds) == {m.id for m in ops if m.components == ("mid",)}
 
 
+def test_ragged_batching_merges_a_shared_component_across_levels():
+    ops = contract(_toy(), ragged=True)
+    mid = [m for m in ops if m.components == ("mid",)]
+    assert len(mid) == 1 and sorted(mid[0].tasks) == ["a", "b"]
+    assert mid[0].tokens == 8 * 16 + 4 * 32
+    assert all(p < m.id for m in ops for p in m.preds)
+    assert len(contract(_toy())) > len(ops)
+
+
 def test_model_rejects_bad_descriptions_with_names():
     comp = Component("e", "encoder", "k", 1, 1, 1)
     with pytest.raises(ValueError, match="task 't', step 0: unknown component 'x'"):
@@ -116,13 +125,27 @@ def test_integer_allocation_matches_brute_force(seed):
     assert alloc.time <= best * (1 + 1e-9)             # lanes never do worse than singletons
 
 
-def test_small_metaops_share_a_lane_instead_of_idling_devices():
-    est = _est(0.0, 1e-3)
-    big = _op(0, 1, 64, 64_000)
-    smalls = [_op(i, 1, 4, 40) for i in range(1, 5)]
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.5, 3.0])
+def test_lanes_let_more_metaops_than_devices_share_a_wave_optimally(overhead):
+    est = _est(overhead, 1e-3)
+    big = _op(0, 1, 63, 63_000)
+    smalls = [_op(i, 1, 4, 40 * i) for i in range(1, 5)]
     alloc = allocate([big] + smalls, est, 4)       # five MetaOps, four devices
-    assert len(alloc.lanes) == 2 and alloc.devices_of(0) == 3
-    assert alloc.time == pytest.approx(max(est.time(big, 3), sum(est.time(m, 1) for m in smalls)))
+    assert sorted(i for lane in alloc.lanes for i in lane) == [0, 1, 2, 3, 4]
+    best = min(allocate_lanes(lanes, est, 4)[1] for lanes in _partitions([big] + smalls)
+               if len(lanes) <= 4)
+    assert alloc.time == pytest.approx(best)
     assert alloc.relaxed <= alloc.time
 
 

@@ -96,10 +96,11 @@ def _chains(ops: list[Operator], edges: list[tuple[int, int]]) -> list[list[int]
     return chains
 
 
-def contract(model: MTModel, batch_tasks: bool = True) -> list[MetaOp]:
+def contract(model: MTModel, batch_tasks: bool = True, ragged: bool = False) -> list[MetaOp]:
     """MetaOps of `model` with their dependencies and MetaLevels (0 = reads only data). With
     `batch_tasks`, MetaOps of one MetaLevel running the same components on samples of the same
-    length (different tasks) become one MetaOp over their concatenated samples."""
+    length (different tasks) become one MetaOp over their concatenated samples; `ragged`
+    merges further (see batch_same_shape)."""
     ops, edges = operator_graph(model)
     chains = _chains(ops, edges)
     owner = {op: cid for cid, chain in enumerate(chains) for op in chain}
@@ -122,26 +123,54 @@ def contract(model: MTModel, batch_tasks: bool = True) -> list[MetaOp]:
             layers=len(chain), samples=chain[0].samples, tokens=chain[0].tokens,
             params=params, out_width=model.component(comps[-1]).hidden_size,
             preds=tuple(sorted(renumber[p] for p in preds[cid])), level=level[cid]))
-    return batch_same_shape(metaops) if batch_tasks else metaops
+    return batch_same_shape(metaops, ragged) if batch_tasks else metaops
 
 
-def batch_same_shape(metaops: list[MetaOp]) -> list[MetaOp]:
-    """Merge MetaOps of one level with the same components and tokens per sample. Every edge
-    goes from a lower level to a higher one, so merging within a level keeps the graph
-    acyclic; the merged MetaOps are renumbered in level order."""
+def batch_same_shape(metaops: list[MetaOp], ragged: bool = False) -> list[MetaOp]:
+    """Merge MetaOps of one level with the same components and tokens per sample into one
+    batch. With `ragged`, MetaOps running the same components merge whatever their level and
+    sample length (each task's samples keep their own length; the merged MetaOp waits for all
+    inputs, as the uniform layout does); a merge that would close a cycle is skipped."""
     groups: dict[tuple, list[MetaOp]] = {}
     for m in metaops:
-        groups.setdefault((m.level, m.components, m.tokens / m.samples), []).append(m)
-    ordered = sorted(groups.values(), key=lambda g: (g[0].level, g[0].id))
-    new_id = {m.id: i for i, g in enumerate(ordered) for m in g}
+        key = (m.components,) if ragged else (m.level, m.components, m.tokens / m.samples)
+        groups.setdefault(key, []).append(m)
+    merged = [[m.id] for m in metaops]
+    for g in groups.values():
+        if len(g) < 2:
+            continue
+        ids = {m.id for m in g}
+        trial = [grp for grp in merged if not ids & set(grp)] + [sorted(ids)]
+        if _merge(metaops, trial) is not None:
+            merged = trial
+    return _merge(metaops, merged)
+
+
+def _merge(metaops: list[MetaOp], groups: list[list[int]]) -> list[MetaOp] | None:
+    """MetaOps merged by `groups` (lists of ids), renumbered topologically with fresh
+    MetaLevels; None if the merged graph has a cycle."""
+    by_id = {m.id: m for m in metaops}
+    group_of = {i: g for g, ids in enumerate(groups) for i in ids}
+    preds = {g: {group_of[p] for i in ids for p in by_id[i].preds} - {g}
+             for g, ids in enumerate(groups)}
+    try:
+        order = _topological(preds)
+    except ValueError:
+        return None
+    level: dict[int, int] = {}
+    for g in order:
+        level[g] = 1 + max((level[p] for p in preds[g]), default=-1)
+    new_id = {g: i for i, g in enumerate(order)}
     out = []
-    for i, g in enumerate(ordered):
+    for g in order:
+        ms = [by_id[i] for i in groups[g]]
         out.append(MetaOp(
-            id=i, tasks=tuple(t for m in g for t in m.tasks),
-            task_samples=tuple(k for m in g for k in m.task_samples), kind=g[0].kind,
-            components=g[0].components, layers=g[0].layers, samples=sum(m.samples for m in g),
-            tokens=sum(m.tokens for m in g), params=g[0].params, out_width=g[0].out_width,
-            preds=tuple(sorted({new_id[p] for m in g for p in m.preds})), level=g[0].level))
+            id=new_id[g], tasks=tuple(t for m in ms for t in m.tasks),
+            task_samples=tuple(k for m in ms for k in m.task_samples), kind=ms[0].kind,
+            components=ms[0].components, layers=ms[0].layers,
+            samples=sum(m.samples for m in ms), tokens=sum(m.tokens for m in ms),
+            params=ms[0].params, out_width=ms[0].out_width,
+            preds=tuple(sorted(new_id[p] for p in preds[g])), level=level[g]))
     return out
 
 

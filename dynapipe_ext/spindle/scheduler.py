@@ -258,10 +258,17 @@ def wavefront_groups(metaops: Sequence[MetaOp], est: Estimator, num_devices: int
 
 
 def spindle_plan(model: MTModel, est: Estimator, cluster: Cluster) -> WavePlan:
-    """Spindle: contracted MetaOps, wavefront groups, malleable allocation, placement."""
-    metaops = contract(model)
-    return _build("spindle", model, metaops, wavefront_groups(metaops, est, cluster.num_devices),
-                  est, cluster)
+    """Spindle: contracted MetaOps, wavefront groups, malleable allocation, placement. Two
+    contractions are planned (same-shape batches only; also ragged batches of a component's
+    data across tasks) and the faster plan is kept."""
+    best = None
+    for ragged in (False, True):
+        metaops = contract(model, ragged=ragged)
+        p = _build("spindle", model, metaops,
+                   wavefront_groups(metaops, est, cluster.num_devices), est, cluster)
+        if best is None or p.iteration_s < best.iteration_s:
+            best = p
+    return best
 
 
 def sequential_plan(model: MTModel, est: Estimator, cluster: Cluster) -> WavePlan:
@@ -315,3 +322,8 @@ def plan(strategy: str, model: MTModel, est: Estimator, cluster: Cluster) -> Wav
     if strategy not in PLANNERS:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     return PLANNERS[strategy](model, est, cluster)
+
+
+def compare(model: MTModel, est: Estimator, cluster: Cluster) -> dict[str, WavePlan]:
+    """The three strategies' plans for one model and cluster (each checked by the caller)."""
+    return {s: plan(s, model, est, cluster) for s in STRATEGIES}
