@@ -190,3 +190,38 @@ def test_scheduler_respects_dependencies_and_checker_catches_violations():
         check_wave_plan(dataclasses.replace(p, memory_bytes=1.0))
     with pytest.raises(PlanError, match="never run"):
         check_wave_plan(dataclasses.replace(p, waves=p.waves[:-1]))
+
+
+def _random_model(rng: random.Random) -> MTModel:
+    kinds = ["k0", "k1", "k2"]
+    encs = [Component(f"enc{i}", "encoder", rng.choice(kinds), rng.randint(1, 4),
+                      rng.randint(10, 10_000), rng.choice([8, 16])) for i in range(3)]
+    backbone = Component("bb", "backbone", rng.choice(kinds), rng.randint(1, 6), 5000, 16)
+    heads = [Component(f"head{i}", "head", "h", 1, 100, 4) for i in range(2)]
+    tasks = []
+    for t in range(rng.randint(1, 5)):
+        enc = rng.choice(encs)
+        seq = rng.choice([4, 8, 16])
+        steps = [TaskStep(enc.name, seq)]
+        if rng.random() < 0.8:
+            steps.append(TaskStep("bb", rng.choice([seq, 2 * seq]), (enc.name,)))
+        steps.append(TaskStep(rng.choice(heads).name, 1, (steps[-1].component,)))
+        tasks.append(Task(f"t{t}", rng.randint(1, 12), tuple(steps)))
+    return MTModel(tuple(encs) + (backbone,) + tuple(heads), tuple(tasks))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_plan_of_random_models_passes_the_checker(seed):
+    rng = random.Random(seed)
+    model = _random_model(rng)
+    fits = {k: LayerFit(rng.uniform(0, 1e-3), rng.uniform(1e-7, 1e-5))
+            for k in ("k0", "k1", "k2", "h")}
+    est = Estimator(fits, CommModel(1e-5, 1e-9))
+    for n in (1, 2, 3, 5, 8):
+        for strategy in ("spindle", "uniform", "sequential"):
+            p = plan(strategy, model, est, Cluster(n, 64 * GiB))
+            check_wave_plan(p)
+            done = [q.op for w in p.waves for q in w.placed]
+            assert sorted(done) == sorted(m.id for m in p.metaops)
+            samples = {(t, i) for m in p.metaops for t, i in m.sample_keys()}
+            assert samples == {(t.name, i) for t in model.tasks for i in range(t.batch_size)}

@@ -61,3 +61,19 @@ def test_spindle_iteration_equals_single_process_reference():
     assert spindle[4] > 0          # some MetaOp runs on one rank only
     assert spindle[5] > 0          # activations cross ranks
     assert sum(r["spindle"][3] for r in results) < sum(r["uniform"][3] for r in results)
+
+
+@pytest.mark.slow
+def test_profile_fits_every_layer_kind_of_the_real_model():
+    from multiproc import single_process_world
+    with single_process_world(SEED):
+        from megatron.spindle.measure import profile_layer_fits
+        from megatron.spindle.mt_model import (TinyMTConfig, build_components, describe,
+                                               task_data)
+        cfg = TinyMTConfig()
+        comps = build_components(cfg, SEED)
+        model = describe(cfg, comps)
+        fits = profile_layer_fits(comps, cfg, model, task_data(cfg, SEED),
+                                  sample_counts=(1, 2), repeats=1)
+    assert set(fits) == {c.layer_kind for c in model.components}
+    assert all(f.per_token_s > 0 and f.overhead_s >= 0 for f in fits.values())

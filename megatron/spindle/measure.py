@@ -5,27 +5,28 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from dynapipe_ext.spindle.estimator import CommModel, Estimator, LayerFit, fit_layer
 from dynapipe_ext.spindle.model import MTModel
 
-from .mt_model import ENCODER_OF, HEAD_OF, TASKS, TinyMTConfig, loss_normaliser
+from .mt_model import ENCODER_OF, HEAD_OF, TASKS, TinyMTConfig
 
 
 def _fwd_bwd_s(fn, repeats: int) -> float:
+    """Fastest of `repeats` forward+backward runs after one warm-up (the least disturbed by
+    other load on a shared machine)."""
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         fn().sum().backward()
         times.append(time.perf_counter() - start)
-    return float(np.median(times[1:]))
+    return min(times[1:])
 
 
 def profile_layer_fits(comps, cfg: TinyMTConfig, model: MTModel, data,
-                       sample_counts=(1, 2, 4), repeats: int = 3) -> dict[str, LayerFit]:
+                       sample_counts=(1, 2, 4, 8), repeats: int = 5) -> dict[str, LayerFit]:
     """Per-layer forward+backward seconds of each component at a few sample counts (one
     device), fitted to overhead + per-token cost per layer kind."""
     points: dict[str, list] = {}
@@ -46,10 +47,11 @@ def profile_layer_fits(comps, cfg: TinyMTConfig, model: MTModel, data,
     return {kind: fit_layer(pts, where=f"profile of {kind}") for kind, pts in points.items()}
 
 
-def fit_link(peer: int, rank: int, sizes=(256, 4096, 65536, 262144), repeats: int = 5
+def fit_link(peer: int, rank: int, sizes=(256, 1 << 20, 1 << 22), repeats: int = 8
              ) -> CommModel:
-    """Ping-pong between `rank` and `peer`: half the round trip per size, fitted to
-    alpha + bytes x beta (both ranks call this with each other as peer)."""
+    """Ping-pong between `rank` and `peer`: half the fastest round trip per size (the least
+    disturbed by other load); beta is the slope between the smallest and largest size, alpha
+    what is left of the smallest message (both ranks call this with each other as peer)."""
     points = []
     for n in sizes:
         buf = torch.zeros(n // 4)
@@ -64,9 +66,10 @@ def fit_link(peer: int, rank: int, sizes=(256, 4096, 65536, 262144), repeats: in
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
             times.append((time.perf_counter() - start) / 2)
-        points.append((n, float(np.median(times[1:]))))
-    fit = fit_layer(points, where="link ping-pong")
-    return CommModel(fit.overhead_s, fit.per_token_s)
+        points.append((n, min(times[1:])))
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    beta = max((t1 - t0) / (n1 - n0), 1e-12)
+    return CommModel(max(t0 - beta * n0, 0.0), beta)
 
 
 def shared_estimator(model: MTModel, fits: dict[str, LayerFit] | None, comm: CommModel,
@@ -102,6 +105,3 @@ def timed_iteration(runtime, comps, optimizer, data) -> float:
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
-
-__all__ = ["profile_layer_fits", "fit_link", "shared_estimator", "iteration_tokens",
-           "timed_iteration", "loss_normaliser"]

@@ -203,12 +203,19 @@ class WaveRuntime:
                 value.backward(grads[op, task])
 
     def _sync_gradients(self) -> None:
-        """All-reduce each component's gradients over exactly the ranks that ran it."""
+        """All-reduce each component's gradients over exactly the ranks that ran it, one
+        flattened bucket per component."""
         for comp in sorted(self.users):
             ranks = tuple(sorted(self.users[comp]))
             if len(ranks) < 2 or self.rank not in ranks:
                 continue
-            for p in self.comps[comp].parameters():
+            params = list(self.comps[comp].parameters())
+            for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.groups[ranks])
+            bucket = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(bucket, group=self.groups[ranks])
+            offset = 0
+            for p in params:
+                p.grad.copy_(bucket[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
