@@ -225,3 +225,30 @@ def test_every_plan_of_random_models_passes_the_checker(seed):
             assert sorted(done) == sorted(m.id for m in p.metaops)
             samples = {(t, i) for m in p.metaops for t, i in m.sample_keys()}
             assert samples == {(t.name, i) for t in model.tasks for i in range(t.batch_size)}
+
+
+def test_placement_keeps_heavy_flows_local_and_balances_memory():
+    from dynapipe_ext.spindle.scheduler import _place, handover_s
+    est = _est(1e-3, 1e-6)
+    light = dataclasses.replace(_op(0, 1, 8, 80), out_width=1)
+    heavy = dataclasses.replace(_op(1, 1, 8, 8000), out_width=64)
+    by_id = {0: light, 1: heavy}
+    placed = {0: (0, 1), 1: (4, 5)}
+    use_light = dataclasses.replace(_op(2, 1, 8, 80), preds=(0,), tasks=("t0",))
+    use_heavy = dataclasses.replace(_op(3, 1, 8, 8000), preds=(1,), tasks=("t1",))
+    by_id.update({2: use_light, 3: use_heavy})
+    memory = [0.0] * 8
+    devices = _place([[use_light], [use_heavy]], [2, 2], placed, by_id, memory, est)
+    assert devices == [(0, 1), (4, 5)]                  # each consumer on its producer's devices
+    assert handover_s(use_heavy, devices[1], placed, by_id, est) == 0.0
+    assert handover_s(use_heavy, (2, 3), placed, by_id, est) > 0.0
+    memory = [5.0, 0.0, 3.0, 1.0]
+    fresh = _op(4, 1, 8, 80)
+    assert _place([[fresh]], [2], {}, {4: fresh}, memory, est) == [(1, 3)]   # least memory
+
+
+def test_runtime_sample_ranges_follow_the_planner_split():
+    from megatron.spindle.runtime import task_ranges
+    merged = MetaOp(0, ("a", "b"), (3, 4), "k", ("c",), 1, 7, 70, 1, 1, (), 0)
+    ranges = task_ranges(merged, (5, 2))
+    assert ranges == {5: {"a": (0, 3), "b": (0, 1)}, 2: {"b": (1, 4)}}
