@@ -66,6 +66,8 @@ class Wave:
 
 @dataclass(frozen=True)
 class WavePlan:
+    """A whole iteration: MetaOps, their waves, the closing gradient all-reduce time and the
+    bytes each device holds (model state of the components it runs, kept activations)."""
     strategy: str
     num_devices: int
     memory_bytes: float
