@@ -181,3 +181,35 @@ def test_nodes_plan_their_own_replicas_and_a_killed_planner_is_an_error_on_its_n
             assert f"planning of iteration {it} failed on the planning leader (rank 2) of " \
                    f"node 1" in message
         assert took < 20                            # at once, not after the 60 s timeout
+
+
+def test_auto_workers_time_one_plan_and_report_the_choice_at_start():
+    from megatron.training.plan_delivery import start_plan_delivery
+    lines = []
+    with start_plan_delivery(config(dp=2), lengths_of, rank=0, world_size=1, dp_rank=0,
+                             pp_rank=0, first_iteration=0, stop_iteration=2,
+                             num_workers="auto", report=lines.append) as delivery:
+        assert delivery.planner.num_workers >= 1
+        got = [delivery.fetch(it).plan for it in range(2)]
+    assert [p.iteration for p in got] == [0, 1]
+    assert len(lines) == 1 and lines[0].startswith("[plan] node 0: --num-planner-workers "
+                                                   f"auto: {delivery.planner.num_workers} (")
+    assert "s per iteration on one core, iterations" in lines[0]
+    assert lines[0].endswith("plans replicas 0")         # the replica of its one rank
+
+
+def test_training_flags_for_cluster_planning(capsys):
+    from megatron.training.arguments import parse_args
+    base = ["--data-path", "data/flan", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "128", "--train-iters", "2"]
+    cfg = parse_args("gpt", base + ["--num-planner-workers", "auto", "--replica-split",
+                                    "samples"], has_cuda=False)
+    assert (cfg.num_planner_workers, cfg.replica_split) == ("auto", "samples")
+    assert parse_args("gpt", base, has_cuda=False).replica_split == "micro-batches"
+    with pytest.raises(SystemExit):
+        parse_args("gpt", base + ["--num-planner-workers", "many"], has_cuda=False)
+    assert "--num-planner-workers: expected a number or 'auto', got 'many'" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("gpt", base + ["--num-planner-workers", "-1"], has_cuda=False)
+    assert "--num-planner-workers must be >= 0 or 'auto', got -1" in capsys.readouterr().err
