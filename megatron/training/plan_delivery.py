@@ -7,16 +7,17 @@ samples, so planning work per node falls as the nodes grow; nothing crosses node
 
 No store and no extra listening socket: at set-up every rank joins one dedicated gloo group,
 that of its node (gloo even when training runs on NCCL: plans are host bytes), and the plans
-travel over the connections of that group, which only the node's ranks hold. Per iteration and reader the leader
-posts two non-blocking sends: a header (int64: kind, iteration, byte count) and the bytes; the
-kind is a plan, or the planning error text, which every rank raises as `PlanningFailed`. TP
-ranks of one (dp, pp) each get their own copy. A plan is sent as soon as it exists (a worker may
-finish it while the leader still trains the previous iteration), so a reader's receive finds it
-waiting; at most `max_outstanding` iterations of sends are in flight. Readers receive in
-iteration order and wait at most `timeout_s`: a dead or stalled leader is an error naming the
-rank, its node and the iteration, never a hang; a dead or stalled planner worker is a
-PlanningFailed on every rank of its node naming the iteration and the node (a gloo timeout also closes that rank's connections of the
-group, so delivery ends there; the run ends with it anyway). Plans carry a CRC (dynapipe_ext/serialization.py), checked
+travel over the connections of that group, which only the node's ranks hold. Per iteration
+and reader the leader posts two non-blocking sends: a header (int64: kind, iteration, byte
+count) and the bytes; the kind is a plan, or the planning error text, which every rank raises
+as `PlanningFailed`. TP ranks of one (dp, pp) each get their own copy. A plan is sent as soon
+as it exists (a worker may finish it while the leader still trains the previous iteration),
+so a reader's receive finds it waiting; at most `max_outstanding` iterations of sends are in
+flight. Readers receive in iteration order and wait at most `timeout_s`: a dead or stalled
+leader is an error naming the rank, its node and the iteration, never a hang (a gloo timeout
+also closes that rank's connections of the group, so delivery ends there; the run ends with
+it anyway). A dead or stalled planner worker is a PlanningFailed on every rank of its node
+naming the iteration and the node. Plans carry a CRC (dynapipe_ext/serialization.py), checked
 when decoded: a corrupted plan is an error, never a run on wrong data.
 """
 from __future__ import annotations
