@@ -213,3 +213,15 @@ def test_training_flags_for_cluster_planning(capsys):
     with pytest.raises(SystemExit):
         parse_args("gpt", base + ["--num-planner-workers", "-1"], has_cuda=False)
     assert "--num-planner-workers must be >= 0 or 'auto', got -1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_scale_simulation_plans_and_delivers_with_the_real_code():
+    from tools.bench_cluster_planning import markdown, simulate
+    # 2 "nodes" of 1 rank each plan 2 replicas apiece of a 4-replica paper-GPT layout
+    sims = [simulate(2, 1, 65536, 4, iterations=2, timeout_s=300)]
+    sim = sims[0]
+    assert (sim["nodes"], sim["ranks"], sim["replicas_per_node"]) == (2, 2, 2)
+    assert sim["node_cpu_s_max"] >= sim["node_cpu_s"] > 0
+    text = markdown(sims, [], "cmd", "now", "here")
+    assert "| 2 | 2 | 2 |" in text and "(1/nodes = 0.50)" in text
