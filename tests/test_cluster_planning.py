@@ -14,7 +14,6 @@ import torch.distributed as dist
 from dynapipe_ext.cluster import (all_nodes, auto_num_workers, block_replicas, free_cores,
                                   node_ranks, node_replicas, predicted_wait_share,
                                   ranks_per_node_from_env)
-from dynapipe_ext.cost_model import AnalyticCostModel
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                             plan_iteration)
 from dynapipe_ext.model_spec import ModelSpec

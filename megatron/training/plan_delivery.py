@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 from dynapipe_ext.cluster import (all_nodes, auto_num_workers, free_cores, node_ranks,
                                   node_replicas, ranks_per_node_from_env)
-from dynapipe_ext.iteration_planner import (IterationPlannerConfig, iteration_plan_fn,
-                                            plan_iteration)
+from dynapipe_ext.iteration_planner import IterationPlannerConfig, iteration_plan_fn
 from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
 
 PLAN, ERROR = 1, 2                 # header kinds
