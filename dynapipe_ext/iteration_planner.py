@@ -12,6 +12,16 @@ only considers schedules of that layout:
 * "1f1b", "adaptive" and "auto" (the faster of 1f1b and adaptive, chosen per replica and
   iteration): P stages, stage s on pipeline rank s;
 * "wave": Hanayo's W-wave layout, 2*W*P stages (`waves`, default 1).
+
+Samples reach the data-parallel replicas one of two ways (`replica_split`):
+* "micro-batches" (default): the micro-batch DP over the whole batch, then its micro-batches
+  split over the replicas (replica_split.balanced_partition). Best balance, but the DP, which
+  dominates planning time and grows faster than the batch, is global wherever it runs.
+* "samples": the samples are dealt to the replicas first (replica_split.deal_samples: cheap,
+  deterministic), then each replica's micro-batch DP, schedule search (and memory retries),
+  lowering and check run on that replica alone. Work per replica is O(samples / DP), so the
+  plans of a replica can be made on its own node (`plan_iteration(..., replicas=...)`).
+Either way, the plans of a replica do not depend on which replicas one call plans.
 """
 from __future__ import annotations
 
@@ -21,18 +31,22 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from .cost_model import CostModel
 from .lowering import DTYPES, lower
 from .microbatch import BatchPlan
 from .model_spec import ModelSpec
 from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
                        plan_micro_batches)
+from .replica_split import deal_samples
 from .schedule_ir import linear_layout, wave_layout
 from .schedule_search import best_candidate, evaluate_candidates, micro_batch_costs
 from .schedules import MemoryLimitError
 from .simulator import CommModel
 
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
+REPLICA_SPLITS = ("micro-batches", "samples")
 COST_MODEL_KINDS = ("analytic", "profile")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MEMORY_RETRIES = 6     # re-splits under a lower memory limit before giving up
@@ -105,9 +119,13 @@ class IterationPlannerConfig:
     waves: int = 1
     recv_lookahead: int = 1
     comm: CommModel | None = None     # pipeline transfer time in the schedule search
+    replica_split: str = "micro-batches"   # see the module docstring
 
     def __post_init__(self):
         problems = []
+        if self.replica_split not in REPLICA_SPLITS:
+            problems.append(f"replica_split must be one of {REPLICA_SPLITS}, "
+                            f"got {self.replica_split!r}")
         if self.micro_batching not in STRATEGIES:
             problems.append(f"micro_batching must be one of {sorted(STRATEGIES)}, "
                             f"got {self.micro_batching!r}")
@@ -168,9 +186,11 @@ def search_memory_limit(cost_model: CostModel, config: IterationPlannerConfig) -
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """The plans of one iteration. `plan_bytes[(dp_rank, pp_rank)]` is that rank's serialised
-    ExecutionPlan; `schedules` / `predicted_ms` the chosen schedule and its simulated makespan
-    per replica; `timings_ms` how long planning took (split, schedule, lower_check, total)."""
+    """The plans of one iteration, for the data-parallel replicas `replicas` (all of them
+    unless planned per node). `plan_bytes[(dp_rank, pp_rank)]` is that rank's serialised
+    ExecutionPlan; `batch_plan.replicas`, `schedules` and `predicted_ms` (simulated makespan)
+    follow `replicas`; `timings_ms` how long planning took (split, schedule, lower_check,
+    total; cpu: CPU time of this process, which a loaded machine does not inflate)."""
 
     iteration: int
     batch_plan: BatchPlan
@@ -178,6 +198,7 @@ class IterationPlan:
     schedules: tuple[str, ...]
     predicted_ms: tuple[float, ...]
     timings_ms: dict = field(default_factory=dict, compare=False)
+    replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,22 +267,77 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
         planner = replace(planner, memory_limit_bytes=split_limit)
 
 
-def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig) -> IterationPlan:
-    """Plan one global batch (`lengths`: GPT (n,), T5 (n, 2)) into every rank's plan bytes."""
+def _wanted_replicas(replicas, dp: int) -> tuple[int, ...]:
+    if replicas is None:
+        return tuple(range(dp))
+    wanted = tuple(sorted(set(int(r) for r in replicas)))
+    if not wanted or wanted[0] < 0 or wanted[-1] >= dp:
+        raise ValueError(f"replicas to plan must be a non-empty subset of 0..{dp - 1}, "
+                         f"got {list(replicas)}")
+    return wanted
+
+
+def _in_batch_ids(mb, ids: np.ndarray):
+    """`mb` with its sample ids (indices into a replica's samples) mapped to batch indices."""
+    return replace(mb, rows=tuple(tuple(int(ids[s]) for s in row) for row in mb.rows))
+
+
+def split_per_replica(lengths, config: IterationPlannerConfig, cost_model: CostModel,
+                      memory_limit: float, replicas: tuple[int, ...], timings_ms: dict
+                      ) -> tuple[BatchPlan, list[ReplicaSchedule]]:
+    """replica_split "samples": deal the samples (deal_samples), then `split_that_runs` on the
+    samples of each replica in `replicas` alone (DP 1: its memory retries are its own).
+    The BatchPlan holds those replicas, in that order, with batch sample ids."""
+    arr = np.asarray(lengths)
+    dealt = deal_samples(arr, config.dp)
+    one = replace(config, dp=1, planner=replace(config.planner, data_parallel=1))
+    timings_ms.update(split=0.0, schedule=0.0)
+    parts, picked, retries, spans = [], [], {}, []
+    for r in replicas:
+        ids = dealt[r]
+        own: dict = {}
+        try:
+            batch, chosen = split_that_runs(arr[ids], one, cost_model, memory_limit, own)
+        except (MemoryLimitError, PlanningError) as err:
+            raise type(err)(f"data-parallel replica {r} ({len(ids)} samples): {err}") from err
+        for key in ("split", "schedule"):
+            timings_ms[key] += own[key]
+        parts.append(tuple(_in_batch_ids(mb, ids) for mb in batch.replicas[0]))
+        picked.append(chosen[0])
+        retries[r] = batch.info["memory_retries"]
+        spans.append(batch.predicted_time_ms)
+    info = dict(replica_split="samples", memory_retries=retries,
+                num_micro_batches=sum(len(p) for p in parts),
+                replica_imbalance=max(spans) / float(np.mean(spans)) if max(spans) > 0 else 1.0)
+    return BatchPlan(config.micro_batching, tuple(parts), max(spans), info), picked
+
+
+def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
+                   replicas=None) -> IterationPlan:
+    """Plan one global batch (`lengths`: GPT (n,), T5 (n, 2)) into the plan bytes of every rank
+    of the data-parallel `replicas` (None: all). A replica's bytes are the same whichever
+    replicas one call plans; with replica_split "samples" only those replicas are planned."""
     from .plan_checker import check_plans
     from .serialization import plan_to_bytes
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    wanted = _wanted_replicas(replicas, config.dp)
     cost_model = build_cost_model(config.cost_model, config.spec, config.tp, config.pp)
     memory_limit = search_memory_limit(cost_model, config)
     timings: dict = {}
     try:
-        batch, picked = split_that_runs(lengths, config, cost_model, memory_limit, timings)
+        if config.replica_split == "samples":
+            batch, picked = split_per_replica(lengths, config, cost_model, memory_limit, wanted,
+                                              timings)
+        else:
+            batch, picked = split_that_runs(lengths, config, cost_model, memory_limit, timings)
+            batch = replace(batch, replicas=tuple(batch.replicas[r] for r in wanted))
+            picked = [picked[r] for r in wanted]
     except MemoryLimitError as err:
         raise MemoryLimitError(f"iteration {iteration}: {err}") from err
     split_done = time.perf_counter()
     plan_bytes: dict[tuple[int, int], bytes] = {}
-    for dp_rank, (micro_batches, chosen) in enumerate(zip(batch.replicas, picked)):
+    for dp_rank, micro_batches, chosen in zip(wanted, batch.replicas, picked):
         plans = lower(chosen.schedule, micro_batches, config.spec, config.dtype, iteration,
                       dp_rank, config.recv_lookahead, timing=chosen.result)
         if config.check_plans:
@@ -269,12 +345,14 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig) -> I
         for plan in plans:
             plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(plan)
     total_s = time.perf_counter() - start
-    timings.update(lower_check=(time.perf_counter() - split_done) * 1e3, total=total_s * 1e3)
+    timings.update(lower_check=(time.perf_counter() - split_done) * 1e3, total=total_s * 1e3,
+                   cpu=(time.process_time() - cpu_start) * 1e3)
     return IterationPlan(iteration, batch, plan_bytes,
                          tuple(c.schedule.name for c in picked),
-                         tuple(float(c.result.makespan_ms) for c in picked), timings)
+                         tuple(float(c.result.makespan_ms) for c in picked), timings, wanted)
 
 
-def iteration_plan_fn(config: IterationPlannerConfig):
-    """`plan_fn(iteration, lengths)` for PlanAhead (picklable)."""
-    return functools.partial(plan_iteration, config=config)
+def iteration_plan_fn(config: IterationPlannerConfig, replicas=None):
+    """`plan_fn(iteration, lengths)` for PlanAhead (picklable), planning `replicas` (None:
+    all)."""
+    return functools.partial(plan_iteration, config=config, replicas=replicas)

@@ -225,3 +225,23 @@ def balanced_partition(times, num_replicas: int, num_stages: int = 1) -> list[li
         if best is None or key < best[0]:
             best = (key, parts)
     return best[1]
+
+
+def deal_samples(lengths, num_replicas: int) -> list[np.ndarray]:
+    """Samples of each data-parallel replica, dealt before any micro-batching (the cheap global
+    decision of planning per replica): longest first (GPT length, T5 encoder + decoder; ties
+    by lower index), dealt in snake order 0..D-1, D-1..0, ... so every replica gets the same
+    count (+-1) and nearly the same length mix. Indices ascending (draw order kept inside a
+    replica). Deterministic, O(n log n). ValueError when a replica would get no sample."""
+    arr = np.asarray(lengths)
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if arr.ndim not in (1, 2) or len(arr) < num_replicas:
+        raise ValueError(f"{len(arr)} samples cannot be dealt to {num_replicas} data-parallel "
+                         "replicas (each needs at least one); use a bigger global batch")
+    key = arr if arr.ndim == 1 else arr.sum(axis=1)
+    n = len(arr)
+    order = np.lexsort((np.arange(n), -key.astype(np.int64)))
+    lap, pos = np.divmod(np.arange(n), num_replicas)
+    owner = np.where(lap % 2 == 0, pos, num_replicas - 1 - pos)
+    return [np.sort(order[owner == r]) for r in range(num_replicas)]

@@ -59,18 +59,20 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results,
 
 
 def run_in_processes(fn, world_size: int, args: tuple = (), timeout_s: float = 240.0,
-                     may_die: tuple[int, ...] = (), device: str = "cpu") -> list:
+                     may_die: tuple[int, ...] = (), device: str = "cpu",
+                     daemon: bool = True) -> list:
     """Call `fn(rank, world_size, *args)` in `world_size` spawned processes (MASTER_ADDR/PORT,
     RANK, WORLD_SIZE and LOCAL_RANK set for env:// init; DYNAPIPE_DEVICE=`device`: "cpu"
     runs gloo even on a GPU host, "cuda" NCCL with rank r on GPU r). Returns the ranks' return values (picklable, e.g.
     numpy arrays); raises RuntimeError with the child traceback if any rank fails and
     TimeoutError naming the silent ranks if the timeout passes. Ranks in `may_die` are
-    allowed to exit without a result (fault tests); their value is None."""
+    allowed to exit without a result (fault tests); their value is None. `daemon=False` lets
+    the ranks start processes of their own (planner workers); stragglers are still ended."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, device),
-                         daemon=True) for r in range(world_size)]
+                         daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()
     done: dict[int, object] = {}

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
+from dynapipe_ext.iteration_planner import REPLICA_SPLITS
 from dynapipe_ext.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
 
@@ -45,7 +46,7 @@ class TrainConfig:
     packing_algorithm: str
     micro_batch_size: int
     pipeline_schedule: str
-    num_planner_workers: int
+    num_planner_workers: int | str   # or "auto" (dynapipe_ext/cluster.py)
     plan_prefetch: int
     check_plans: bool
     cost_model: str
@@ -90,6 +91,7 @@ class TrainConfig:
     memory_headroom_gb: float | None = None
     p2p_bandwidth_gbps: float | None = None
     p2p_latency_us: float | None = None
+    replica_split: str = "micro-batches"        # iteration_planner.REPLICA_SPLITS
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -159,8 +161,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--packing-algorithm must be one of {PACKING_ALGORITHMS}, got {cfg.packing_algorithm!r}")
     need(cfg.pipeline_schedule in PIPELINE_SCHEDULES,
          f"--pipeline-schedule must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline_schedule!r}")
-    need(cfg.num_planner_workers >= 0,
-         f"--num-planner-workers must be >= 0, got {cfg.num_planner_workers}")
+    need(cfg.num_planner_workers == "auto"
+         or (isinstance(cfg.num_planner_workers, int) and cfg.num_planner_workers >= 0),
+         f"--num-planner-workers must be >= 0 or 'auto', got {cfg.num_planner_workers!r}")
+    need(cfg.replica_split in REPLICA_SPLITS,
+         f"--replica-split must be one of {REPLICA_SPLITS}, got {cfg.replica_split!r}")
     need(cfg.cost_model == "analytic" or os.path.isfile(cfg.cost_model),
          f"--cost-model must be 'analytic' or an existing profile file; {cfg.cost_model!r} "
          f"does not exist")
@@ -256,6 +261,16 @@ TOKENS_HELP = ("token budget of one global batch (all data-parallel replicas): t
                "is not given")
 
 
+def planner_workers(text: str) -> int | str:
+    """--num-planner-workers: a count, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
     """All flags. Like Megatron, the model size and --train-iters have no defaults; the T5-only
     flags are hidden from GPT's --help (and rejected with a clear message if given)."""
@@ -301,8 +316,15 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=4,
                    help="rows per micro-batch for --micro-batching padding")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto")
-    g.add_argument("--num-planner-workers", type=int, default=1,
-                   help="background planner processes (0: plan inline on rank 0)")
+    g.add_argument("--num-planner-workers", type=planner_workers, default=1,
+                   help="background planner processes per node (0: plan inline on the "
+                        "node's planning leader; 'auto': from the node's free cores and the "
+                        "measured planning time against the predicted iteration time)")
+    g.add_argument("--replica-split", choices=REPLICA_SPLITS, default="micro-batches",
+                   help="'micro-batches': plan the whole batch, then split its micro-batches "
+                        "over data-parallel replicas (best balance; planning is global); "
+                        "'samples': deal samples to replicas first, then plan each replica "
+                        "on its own node (planning per node ~ samples / nodes)")
     g.add_argument("--plan-prefetch", type=int, default=2,
                    help="how many iterations ahead plans are made")
     g.add_argument("--check-plans", action="store_true",
@@ -445,6 +467,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
+        replica_split=args.replica_split,
         check_plans=args.check_plans, cost_model=args.cost_model,
         lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None

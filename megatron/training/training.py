@@ -10,6 +10,7 @@ executor, all-reduce gradients over data parallel, clip, step, log and save.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
         tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
-        comm=device_costs.comm_model(cfg))
+        comm=device_costs.comm_model(cfg), replica_split=cfg.replica_split)
 
 
 def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, dtype: str,
@@ -317,7 +318,9 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                                     layout.world_size, layout.dp_rank, layout.pp_rank, start,
                                     cfg.train_iters, num_workers=cfg.num_planner_workers,
                                     prefetch=cfg.plan_prefetch,
-                                    timeout_s=cfg.distributed_timeout_minutes * 60)
+                                    timeout_s=cfg.distributed_timeout_minutes * 60,
+                                    report=functools.partial(print, flush=True)
+                                    if verbose else None)
     return TrainingRun(cfg, data, layout, spec, stage_to_rank, stages, optimizer, handlers,
                        Executor(handlers), plans, logger, start)
 
