@@ -25,6 +25,13 @@ def ranks_per_node_from_env(world_size: int) -> int:
     return size
 
 
+def default_replica_split(world_size: int, ranks_per_node: int) -> str:
+    """'--replica-split auto': the whole-batch split ('micro-batches', best balance) while
+    the run is one node; 'samples' once it spans several, where planning the whole batch on
+    every node would not keep up (docs/BENCHMARKS.md, "Planning at cluster scale")."""
+    return "samples" if world_size > ranks_per_node else "micro-batches"
+
+
 def node_ranks(rank: int, world_size: int, ranks_per_node: int) -> list[int]:
     """The global ranks of `rank`'s node (torchrun numbering: node n holds ranks
     n*ranks_per_node .. (n+1)*ranks_per_node - 1)."""

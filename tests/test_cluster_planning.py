@@ -2,6 +2,7 @@
 the same bytes whichever process plans it, nodes of ranks each with their own planning leader
 and plan group, and a killed planner worker on one node is an error naming the iteration and
 the node on that node's ranks (the other node trains on)."""
+import dataclasses
 import datetime
 import os
 import signal
@@ -204,7 +205,7 @@ def test_training_flags_for_cluster_planning(capsys):
     cfg = parse_args("gpt", base + ["--num-planner-workers", "auto", "--replica-split",
                                     "samples"], has_cuda=False)
     assert (cfg.num_planner_workers, cfg.replica_split) == ("auto", "samples")
-    assert parse_args("gpt", base, has_cuda=False).replica_split == "micro-batches"
+    assert parse_args("gpt", base, has_cuda=False).replica_split == "auto"
     with pytest.raises(SystemExit):
         parse_args("gpt", base + ["--num-planner-workers", "many"], has_cuda=False)
     assert "--num-planner-workers: expected a number or 'auto', got 'many'" \
@@ -224,3 +225,21 @@ def test_the_scale_simulation_plans_and_delivers_with_the_real_code():
     assert sim["node_cpu_s_max"] >= sim["node_cpu_s"] > 0
     text = markdown(sims, [], "cmd", "now", "here")
     assert "| 2 | 2 | 2 |" in text and "(1/nodes = 0.50)" in text
+
+
+def test_auto_replica_split_keeps_the_whole_batch_split_on_one_node_only(monkeypatch):
+    from dynapipe_ext.cluster import default_replica_split
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import replica_split
+    assert default_replica_split(8, 8) == "micro-batches"
+    assert default_replica_split(16, 8) == "samples"
+    cfg = parse_args("gpt", ["--data-path", "data/flan", "--num-layers", "2", "--hidden-size",
+                             "64", "--num-attention-heads", "4", "--seq-length", "128",
+                             "--train-iters", "2"], has_cuda=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert replica_split(cfg) == "micro-batches"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert replica_split(cfg) == "samples"
+    assert replica_split(dataclasses.replace(cfg, replica_split="micro-batches")) \
+        == "micro-batches"

@@ -91,7 +91,7 @@ class TrainConfig:
     memory_headroom_gb: float | None = None
     p2p_bandwidth_gbps: float | None = None
     p2p_latency_us: float | None = None
-    replica_split: str = "micro-batches"        # iteration_planner.REPLICA_SPLITS
+    replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -164,8 +164,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.num_planner_workers == "auto"
          or (isinstance(cfg.num_planner_workers, int) and cfg.num_planner_workers >= 0),
          f"--num-planner-workers must be >= 0 or 'auto', got {cfg.num_planner_workers!r}")
-    need(cfg.replica_split in REPLICA_SPLITS,
-         f"--replica-split must be one of {REPLICA_SPLITS}, got {cfg.replica_split!r}")
+    need(cfg.replica_split in REPLICA_SPLITS + ("auto",),
+         f"--replica-split must be one of {REPLICA_SPLITS + ('auto',)}, got {cfg.replica_split!r}")
     need(cfg.cost_model == "analytic" or os.path.isfile(cfg.cost_model),
          f"--cost-model must be 'analytic' or an existing profile file; {cfg.cost_model!r} "
          f"does not exist")
@@ -320,8 +320,10 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="background planner processes per node (0: plan inline on the "
                         "node's planning leader; 'auto': from the node's free cores and the "
                         "measured planning time against the predicted iteration time)")
-    g.add_argument("--replica-split", choices=REPLICA_SPLITS, default="micro-batches",
-                   help="'micro-batches': plan the whole batch, then split its micro-batches "
+    g.add_argument("--replica-split", choices=REPLICA_SPLITS + ("auto",), default="auto",
+                   help="'auto' (default): 'micro-batches' on one node, 'samples' when the "
+                        "run spans several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE); "
+                        "'micro-batches': plan the whole batch, then split its micro-batches "
                         "over data-parallel replicas (best balance; planning is global); "
                         "'samples': deal samples to replicas first, then plan each replica "
                         "on its own node (planning per node ~ samples / nodes)")

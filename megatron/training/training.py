@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from dynapipe_ext.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.iteration_planner import IterationPlannerConfig, pipeline_layout
@@ -198,7 +199,15 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
         tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
-        comm=device_costs.comm_model(cfg), replica_split=cfg.replica_split)
+        comm=device_costs.comm_model(cfg), replica_split=replica_split(cfg))
+
+
+def replica_split(cfg: TrainConfig) -> str:
+    """The run's --replica-split, with 'auto' resolved from torchrun's node layout."""
+    if cfg.replica_split != "auto":
+        return cfg.replica_split
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return default_replica_split(world, ranks_per_node_from_env(world))
 
 
 def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, dtype: str,
