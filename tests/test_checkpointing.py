@@ -468,6 +468,93 @@ def test_both_scheduler_flags_at_once_are_rejected(capsys):
     assert "mutually exclusive" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------------------- load flags
+
+def test_finetune_loads_the_weights_alone_and_starts_at_iteration_0(tmp_path):
+    _, model, _ = saved_run(tmp_path, [3])
+    cfg = tiny_config("--load", str(tmp_path), "--finetune", "--lr", "0.5")   # any schedule
+    other, opt = fresh(cfg)
+    torch.manual_seed(7)
+    expected_draw = torch.rand(1).item()
+    torch.manual_seed(7)
+    assert ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1) == (0, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert opt.adam.state == {} and opt.num_steps == 0 and opt.schedule["lr"] == 0.5
+    assert torch.rand(1).item() == expected_draw      # RNG left as this run seeded it
+
+
+def test_no_load_optim_keeps_a_fresh_optimizer_and_this_runs_schedule(tmp_path):
+    _, model, _ = saved_run(tmp_path, [3])
+    cfg = tiny_config("--load", str(tmp_path), "--no-load-optim", "--lr", "0.5")
+    other, opt = fresh(cfg)
+    assert ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1) == \
+        (3, {"consumed_samples": 3})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert opt.adam.state == {} and opt.num_steps == 3 and opt.schedule["lr"] == 0.5
+
+
+def test_no_load_rng_reseeds_from_the_seed_and_iteration(tmp_path, capsys):
+    saved_run(tmp_path, [3])
+    draws = []
+    for flags in (["--no-load-rng"], ["--no-load-rng", "--no-load-optim"]):
+        cfg = tiny_config("--load", str(tmp_path), *flags)
+        other, opt = fresh(cfg)
+        ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1)
+        draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
+    ckpt.reseed(tiny_config().seed, 3)
+    assert draws == [(random.random(), np.random.rand(), torch.rand(1).item())] * 2
+    assert "RNG states not restored (--no-load-rng)" in capsys.readouterr().out
+
+
+def test_load_flags_need_a_load_directory(capsys):
+    for name in ("--finetune", "--no-load-optim", "--no-load-rng"):
+        with pytest.raises(SystemExit):
+            tiny_config(name)
+        assert f"{name} needs --load DIR" in capsys.readouterr().err
+
+
+def test_a_model_only_checkpoint_round_trips_and_needs_finetune(tmp_path):
+    torch.manual_seed(3)
+    source = tiny_model(seed=5)
+    full = {n: p.detach().clone() for n, p in source.named_parameters()}
+    signature = ckpt.shape_signature(tiny_config())
+    folder = ckpt.save_model_only_checkpoint(str(tmp_path), 0, full, signature)
+    assert folder == ckpt.iteration_dir(str(tmp_path), 0)
+    assert ckpt.latest_iteration(str(tmp_path)) == 0
+    back = ckpt.read_full_model_state(str(tmp_path))
+    assert back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
+
+    cfg = tiny_config("--load", str(tmp_path))
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError, match="holds model weights only .* --finetune"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    cfg = tiny_config("--load", str(tmp_path), "--finetune")
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1) == (0, None)
+    assert all(torch.equal(p, full[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="config_signature lacks hidden_size"):
+        ckpt.save_model_only_checkpoint(str(tmp_path / "x"), 0, full,
+                                        {k: v for k, v in signature.items()
+                                         if k != "hidden_size"})
+
+
+def test_bf16_main_weights_and_moments_survive_a_checkpoint(tmp_path):
+    cfg = tiny_config()
+    torch.manual_seed(1)
+    model = tiny_model().to(torch.bfloat16)
+    opt = TrainOptimizer(model.named_parameters(), cfg)
+    for it in range(2):
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step(it)
+    ckpt.save_checkpoint(str(tmp_path), 2, [model], opt, None, cfg, 0, 1)
+    other = tiny_model(seed=99).to(torch.bfloat16)
+    other_opt = TrainOptimizer(other.named_parameters(), cfg)
+    ckpt.load_checkpoint(str(tmp_path), [other], other_opt, cfg, 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(opt.main_params, other_opt.main_params))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    for mine, theirs in zip(adam_state(other_opt), adam_state(opt)):
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 # ---------------------------------------------------------------------------- real runs
 
 import json
