@@ -133,6 +133,23 @@ def test_a_parameter_of_another_shape_or_missing_is_named(tmp_path):
     assert "3.weight: missing" in msg
 
 
+def test_a_differently_padded_vocabulary_is_explained(tmp_path):
+    cfg = tiny_config()
+
+    def with_vocab(rows):
+        model = torch.nn.Module()
+        model.embedding = torch.nn.Module()
+        model.embedding.word_embeddings = torch.nn.Embedding(rows, 8)
+        return model, TrainOptimizer(model.named_parameters(), cfg)
+    model, opt = with_vocab(128)
+    ckpt.save_checkpoint(str(tmp_path), 0, [model], opt, None, cfg, 0, 1)
+    model, opt = with_vocab(256)
+    with pytest.raises(ckpt.CheckpointError, match=r"embedding.word_embeddings.weight: shape "
+                                                    r"\(128, 8\), the model needs \(256, 8\).* "
+                                                    r"padded to a multiple of 128 x TP"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+
+
 # ---------------------------------------------------------------------------- safe loading
 
 def saved_run(directory, iterations, *extra):
@@ -266,6 +283,16 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     resumed = train_steps(model, opt, 2, 4)
     _, ref_model, ref_opt = saved_run(tmp_path / "ref", [2])
     assert resumed == train_steps(ref_model, ref_opt, 2, 4)
+
+
+def test_a_truncated_shard_file_falls_back_too(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4])
+    bad = os.path.join(ckpt.iteration_dir(str(tmp_path), 4), ckpt.shard_file_name(0, 0))
+    truncate(bad)
+    model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning) as caught:
+        assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
+    assert bad in " | ".join(str(w.message) for w in caught)
 
 
 def test_keep_last_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path):

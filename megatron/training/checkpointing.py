@@ -480,12 +480,12 @@ def check_shape(common: dict, path: str, cfg) -> None:
                               "; ".join(diffs) + ")")
 
 
-def read_common(directory: str, iteration: int | None = None, rank: int = 0) -> dict:
+def read_common(directory: str, iteration: int | None = None) -> dict:
     """The common.pt of `iteration` (default: latest), checked for format and iteration."""
     iteration = latest_iteration(directory) if iteration is None else iteration
     path = common_file(directory, iteration)
-    if not os.path.isfile(path) and os.path.isfile(rank_file(directory, iteration, rank)):
-        old = read_rank_file(rank_file(directory, iteration, rank))
+    if not os.path.isfile(path) and os.path.isfile(rank_file(directory, iteration, 0)):
+        old = read_rank_file(rank_file(directory, iteration, 0))
         if old.get("version") == 2:
             raise CheckpointError(f"{iteration_dir(directory, iteration)}: {FORMAT_2}")
     common = read_rank_file(path)
@@ -544,7 +544,7 @@ def what_to_load(cfg) -> tuple[bool, bool]:
 
 def read_checked(directory: str, iteration: int, cfg, place, names: set[str]) -> Loaded:
     """What this rank needs of `iteration`, read and checked against this run."""
-    common = read_common(directory, iteration, place.rank)
+    common = read_common(directory, iteration)
     path = common_file(directory, iteration)
     check_shape(common, path, cfg)
     load_optim, load_rng = what_to_load(cfg)
@@ -666,7 +666,9 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
         load_sharded_state(named, loaded.model, place.tp_rank, place.tp,
                            f"{iteration_dir(directory, iteration)}")
     except ValueError as err:
-        raise CheckpointError(str(err)) from None
+        hint = (" (the vocabulary is padded to a multiple of 128 x TP, so some TP sizes pad it "
+                "differently)" if "word_embeddings.weight: shape" in str(err) else "")
+        raise CheckpointError(f"{err}{hint}") from None
     optimizer.main_from_model()
     finetune = getattr(cfg, "finetune", False)
     start = 0 if finetune else iteration
