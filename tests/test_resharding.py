@@ -13,22 +13,26 @@ from megatron.training import checkpointing as ckpt
 from tests.multiproc import free_port
 from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 
-RUN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
-       "--tokens-per-global-batch", "1024", "--seq-length", "128", "--lr", "5e-3",
-       "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--min-lr", "5e-4",
-       "--train-iters", "4", "--distributed-timeout-minutes", "1", "--num-planner-workers", "0"]
+COMMON = ["--hidden-size", "32", "--num-attention-heads", "2", "--tokens-per-global-batch",
+          "1024", "--lr", "5e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+          "--min-lr", "5e-4", "--train-iters", "4", "--distributed-timeout-minutes", "1",
+          "--num-planner-workers", "0"]
+RUN = COMMON + ["--num-layers", "4", "--seq-length", "128"]
+T5_RUN = COMMON + ["--encoder-num-layers", "3", "--decoder-num-layers", "1",
+                   "--encoder-seq-length", "128", "--decoder-seq-length", "32"]
 SAVED_AT = 2
 
 
-def torchrun(args, nproc: int, stats_file) -> tuple[list[dict], str]:
-    """pretrain_gpt.py under torchrun on CPU: (rank 0's per-iteration stats, output)."""
+def torchrun(args, nproc: int, stats_file, script: str = "pretrain_gpt.py"
+             ) -> tuple[list[dict], str]:
+    """`script` under torchrun on CPU: (rank 0's per-iteration stats, output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "pretrain_gpt.py", *args, "--stats-file", str(stats_file)]
+           script, *args, "--stats-file", str(stats_file)]
     done = subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
                           timeout=400)
     out = done.stdout + done.stderr
-    assert done.returncode == 0, f"pretrain_gpt.py failed:\n{out[-6000:]}"
+    assert done.returncode == 0, f"{script} failed:\n{out[-6000:]}"
     return [json.loads(line) for line in open(stats_file)], out
 
 
@@ -98,3 +102,24 @@ def test_tp2_pp2_checkpoint_exports_the_full_model_from_one_process(tp2_pp2_run)
     again = ckpt.read_full_model_state(str(d / "model_only"))
     assert again.keys() == full.keys()
     assert all(torch.equal(again[n], full[n]) for n in full)
+
+
+@pytest.mark.slow
+def test_t5_tp2_pp2_checkpoint_resumes_at_tp1_pp4(sp_dataset, tmp_path):  # noqa: F811
+    """T5 with 3 encoder and 1 decoder layers: at PP=2 the second stage holds the end of the
+    encoder, the encoder norm, the decoder embedding and the decoder; at PP=4 those sit on
+    the last two stages. The global names put every weight back where it belongs."""
+    args = sp_dataset + T5_RUN
+    straight, _ = torchrun(args + ["--tensor-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-size", "2",
+                                   "--save", str(tmp_path / "ckpt"),
+                                   "--save-interval", str(SAVED_AT)],
+                           4, tmp_path / "straight.jsonl", "pretrain_t5.py")
+    (tmp_path / "ckpt" / ckpt.LATEST).write_text(f"{SAVED_AT}\n")
+    resumed, out = torchrun(args + ["--pipeline-model-parallel-size", "4",
+                                    "--load", str(tmp_path / "ckpt")],
+                            4, tmp_path / "resumed.jsonl", "pretrain_t5.py")
+    assert [s["iteration"] for s in resumed] == [3, 4]
+    for got, want in zip(resumed, straight[SAVED_AT:]):
+        assert close(got["loss"], want["loss"]), (got["loss"], want["loss"])
+    assert "saved at TP=2 PP=2 DP=1 on 4 ranks" in out
