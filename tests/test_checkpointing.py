@@ -131,6 +131,12 @@ def test_a_parameter_of_another_shape_or_missing_is_named(tmp_path):
     assert ckpt.iteration_dir(str(tmp_path), 2) in msg
     assert "2.weight: shape (1, 8), the model needs (2, 8)" in msg
     assert "3.weight: missing" in msg
+    smaller = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = TrainOptimizer(smaller.named_parameters(), cfg)
+    with pytest.raises(ckpt.CheckpointError, match=r"common.pt: holds 4 parameters this model "
+                                                   r"does not have \(1.bias, 1.weight, 2.bias, "
+                                                   r"2.weight\)"):
+        ckpt.load_checkpoint(str(tmp_path), [smaller], opt, cfg, 0, 1)
 
 
 def test_a_differently_padded_vocabulary_is_explained(tmp_path):

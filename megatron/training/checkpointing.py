@@ -298,15 +298,19 @@ def is_split(param, tp_size: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
 
 
+def gather_names(mine):
+    """Every rank's `mine` (file and parameter names): an object all-gather between the ranks
+    of this run, never read from a file."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def gather_index(file_name: str | None, names: list[str]) -> dict[str, list[str]]:
-    """{shard file: the global names in it} over all ranks (an object all-gather: small lists
-    of strings between the ranks of this run, never read from a file)."""
-    mine = (file_name, names)
-    everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    return {f: n for f, n in everyone if f is not None}
+    """{shard file: the global names in it} over all ranks."""
+    return {f: n for f, n in gather_names((file_name, names)) if f is not None}
 
 
 def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_state,
@@ -657,6 +661,12 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
     named = list(global_parameters(modules))
     iteration, loaded = choose_checkpoint(directory, cfg, place, {n for n, _ in named})
     common, path = loaded.common, common_file(directory, iteration)
+    used = set().union(*gather_names(sorted(n for n, _ in named)))
+    unused = sorted({n for held in common["index"].values() for n in held} - used)
+    if unused:      # the same on every rank
+        raise CheckpointError(f"{path}: holds {len(unused)} parameters this model does not have "
+                              f"({', '.join(unused[:5])}); was it saved with another model "
+                              f"configuration?")
     if cfg.save and iteration < latest_iteration(directory) and \
             os.path.realpath(cfg.save) == os.path.realpath(directory):
         for moved in set_aside_newer(directory, iteration):
