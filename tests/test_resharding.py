@@ -86,8 +86,10 @@ def test_tp2_pp2_checkpoint_resumes_in_one_process(tp2_pp2_run):
 @pytest.mark.slow
 def test_tp2_pp2_checkpoint_exports_the_full_model_from_one_process(tp2_pp2_run):
     """read_full_model_state reassembles the TP-split parameters from all four files in one
-    process, and save_model_only_checkpoint writes them back unchanged (export / import)."""
-    _, _, d = tp2_pp2_run
+    process, and save_model_only_checkpoint writes them back unchanged (export / import);
+    --finetune trains on from either checkpoint alike: iteration 1 with the weights of
+    iteration 2, a fresh optimizer and the sampler from the start."""
+    data, straight, d = tp2_pp2_run
     full = ckpt.read_full_model_state(str(d / "ckpt"))
     assert full["embedding.word_embeddings.weight"].shape == (1024, 32)
     assert full["output_layer.weight"].shape == (1024, 32)
@@ -102,6 +104,13 @@ def test_tp2_pp2_checkpoint_exports_the_full_model_from_one_process(tp2_pp2_run)
     again = ckpt.read_full_model_state(str(d / "model_only"))
     assert again.keys() == full.keys()
     assert all(torch.equal(again[n], full[n]) for n in full)
+    runs = []
+    for source in ("ckpt", "model_only"):
+        stats, _ = torchrun(data + RUN + ["--load", str(d / source), "--finetune",
+                                          "--train-iters", "2"], 1, d / f"ft_{source}.jsonl")
+        runs.append([(s["iteration"], s["loss"], s["lr"]) for s in stats])
+    assert runs[0] == runs[1] and [it for it, _, _ in runs[0]] == [1, 2]
+    assert not close(runs[0][0][1], straight[0]["loss"], 1e-3)   # not the initial weights
 
 
 @pytest.mark.slow
