@@ -90,16 +90,70 @@ def test_loading_from_an_empty_directory_is_a_clear_error(tmp_path):
         ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
 
 
-def test_loading_with_another_layout_or_shape_names_the_difference(tmp_path):
-    cfg = tiny_config()
-    model = tiny_model()
-    opt = TrainOptimizer(model.named_parameters(), cfg)
-    ckpt.save_checkpoint(str(tmp_path), 1, [model], opt, None, cfg, 0, 1)
-    with pytest.raises(ValueError, match="written by rank 0 of 1, loading on rank 0 of 2"):
-        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 2)
+def adam_state(opt):
+    return [{k: v.clone() for k, v in opt.adam.state[m].items()} for m in opt.main_params]
+
+
+def test_loading_at_another_world_size_works_and_another_shape_is_named(tmp_path, capsys):
+    cfg, model, opt = saved_run(tmp_path, [2])
+    # loaded as rank 0 of a data-parallel world of 2: the layout may differ, the model not
+    draws = []
+    for _ in range(2):
+        other, other_opt = fresh(cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")       # no fallback: the checkpoint is readable
+            assert ckpt.load_checkpoint(str(tmp_path), [other], other_opt, cfg, 0, 2)[0] == 2
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+        for mine, theirs in zip(adam_state(other_opt), adam_state(opt)):
+            assert mine.keys() == theirs.keys() == {"exp_avg", "exp_avg_sq", "step"}
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
+    assert draws[0] == draws[1]          # RNGs reseeded alike from --seed and the iteration
+    out = capsys.readouterr().out
+    assert "RNG states not restored (it was saved at TP=1 PP=1 DP=1 on 1 ranks, this run is " \
+           "TP=1 PP=1 DP=2 on 2); every rank reseeds from --seed and iteration 2" in out
     wider = tiny_config("--hidden-size", "16")
-    with pytest.raises(ValueError, match="hidden_size: saved 8, now 16"):
-        ckpt.load_checkpoint(str(tmp_path), [model], opt, wider, 0, 1)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [other], other_opt, wider, 0, 1)
+    assert f"{ckpt.common_file(str(tmp_path), 2)}: checkpoint does not match this run's " \
+           f"model (hidden_size: saved 8, now 16" in str(err.value)
+
+
+def test_a_parameter_of_another_shape_or_missing_is_named(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2])
+    torch.manual_seed(0)
+    odd = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2),
+                              torch.nn.Linear(2, 1))
+    opt = TrainOptimizer(odd.named_parameters(), cfg)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [odd], opt, cfg, 0, 1)
+    msg = str(err.value)
+    assert ckpt.iteration_dir(str(tmp_path), 2) in msg
+    assert "2.weight: shape (1, 8), the model needs (2, 8)" in msg
+    assert "3.weight: missing" in msg
+    smaller = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = TrainOptimizer(smaller.named_parameters(), cfg)
+    with pytest.raises(ckpt.CheckpointError, match=r"common.pt: holds 4 parameters this model "
+                                                   r"does not have \(1.bias, 1.weight, 2.bias, "
+                                                   r"2.weight\)"):
+        ckpt.load_checkpoint(str(tmp_path), [smaller], opt, cfg, 0, 1)
+
+
+def test_a_differently_padded_vocabulary_is_explained(tmp_path):
+    cfg = tiny_config()
+
+    def with_vocab(rows):
+        model = torch.nn.Module()
+        model.embedding = torch.nn.Module()
+        model.embedding.word_embeddings = torch.nn.Embedding(rows, 8)
+        return model, TrainOptimizer(model.named_parameters(), cfg)
+    model, opt = with_vocab(128)
+    ckpt.save_checkpoint(str(tmp_path), 0, [model], opt, None, cfg, 0, 1)
+    model, opt = with_vocab(256)
+    with pytest.raises(ckpt.CheckpointError, match=r"embedding.word_embeddings.weight: shape "
+                                                    r"\(128, 8\), the model needs \(256, 8\).* "
+                                                    r"padded to a multiple of 128 x TP"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
 
 
 # ---------------------------------------------------------------------------- safe loading
@@ -135,11 +189,20 @@ class WritesMarker:
 
 
 def test_checkpoint_files_load_with_weights_only(tmp_path):
-    saved_run(tmp_path, [2])
-    state = torch.load(ckpt.rank_file(str(tmp_path), 2, 0), weights_only=True)
-    assert state["version"] == ckpt.FORMAT_VERSION == 2
-    assert state["opt_param_scheduler"]["num_steps"] == 2
-    assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
+    _, model, _ = saved_run(tmp_path, [2])
+    folder = ckpt.iteration_dir(str(tmp_path), 2)
+    common = torch.load(os.path.join(folder, ckpt.COMMON), weights_only=True)
+    assert common["version"] == ckpt.FORMAT_VERSION == 3
+    assert common["opt_param_scheduler"]["num_steps"] == 2
+    assert common["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
+    names = [n for n, _ in model.named_parameters()]
+    assert common["index"] == {"shards_pp000_tp000.pt": names}
+    shards = torch.load(os.path.join(folder, "shards_pp000_tp000.pt"), weights_only=True)
+    assert sorted(shards["model"]) == sorted(names)
+    assert torch.equal(shards["model"]["0.weight"]["tensor"], model[0].weight)
+    assert set(shards["optimizer"]["0.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+    rank = torch.load(ckpt.rank_file(str(tmp_path), 2, 0), weights_only=True)
+    assert isinstance(rank["rng"]["numpy"]["keys"], torch.Tensor)
 
 
 def test_rng_states_round_trip_through_the_weights_only_format():
@@ -184,12 +247,25 @@ def test_a_format_1_checkpoint_is_refused_naming_the_file(tmp_path):
 
 def test_a_readable_checkpoint_of_another_format_is_an_error_not_a_fallback(tmp_path):
     cfg, _, _ = saved_run(tmp_path, [2, 4])
-    path = ckpt.rank_file(str(tmp_path), 4, 0)
+    path = ckpt.common_file(str(tmp_path), 4)
     state = torch.load(path, weights_only=True)
-    torch.save(dict(state, version=3), path)
+    torch.save(dict(state, version=4), path)
     model, opt = fresh(cfg)
-    with pytest.raises(ckpt.CheckpointError, match="checkpoint format 3, this code reads 2"):
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint format 4, this code reads 3"):
         ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+
+
+def test_a_format_2_checkpoint_is_refused_with_a_clear_message(tmp_path):
+    os.makedirs(ckpt.iteration_dir(str(tmp_path), 5))
+    torch.save({"version": 2, "iteration": 5, "rank": 0, "model": []},
+               ckpt.rank_file(str(tmp_path), 5, 0))
+    (tmp_path / ckpt.LATEST).write_text("5\n")
+    cfg = tiny_config()
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    assert f"{ckpt.iteration_dir(str(tmp_path), 5)}: a format-2 checkpoint" in str(err.value)
+    assert "this code reads format 3" in str(err.value)
 
 
 def truncate(path, keep=0.5):
@@ -213,6 +289,16 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     resumed = train_steps(model, opt, 2, 4)
     _, ref_model, ref_opt = saved_run(tmp_path / "ref", [2])
     assert resumed == train_steps(ref_model, ref_opt, 2, 4)
+
+
+def test_a_truncated_shard_file_falls_back_too(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2, 4])
+    bad = os.path.join(ckpt.iteration_dir(str(tmp_path), 4), ckpt.shard_file_name(0, 0))
+    truncate(bad)
+    model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning) as caught:
+        assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
+    assert bad in " | ".join(str(w.message) for w in caught)
 
 
 def test_keep_last_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path):
@@ -272,7 +358,8 @@ def test_a_full_disk_at_save_says_so_and_keeps_the_previous_checkpoint(tmp_path,
     monkeypatch.setattr(torch, "save", real_save)
     assert err.value.errno == errno.ENOSPC
     assert "disk is full" in str(err.value)
-    assert ckpt.rank_file(str(tmp_path), 4, 0) in str(err.value)
+    assert os.path.join(ckpt.iteration_dir(str(tmp_path), 4), ckpt.shard_file_name(0, 0)) \
+        in str(err.value)
     assert os.listdir(ckpt.iteration_dir(str(tmp_path), 4)) == []     # no temporary file
     assert ckpt.latest_iteration(str(tmp_path)) == 2
     model, opt = fresh(cfg)
@@ -412,6 +499,93 @@ def test_both_scheduler_flags_at_once_are_rejected(capsys):
     with pytest.raises(SystemExit):
         tiny_config("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler")
     assert "mutually exclusive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- load flags
+
+def test_finetune_loads_the_weights_alone_and_starts_at_iteration_0(tmp_path):
+    _, model, _ = saved_run(tmp_path, [3])
+    cfg = tiny_config("--load", str(tmp_path), "--finetune", "--lr", "0.5")   # any schedule
+    other, opt = fresh(cfg)
+    torch.manual_seed(7)
+    expected_draw = torch.rand(1).item()
+    torch.manual_seed(7)
+    assert ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1) == (0, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert opt.adam.state == {} and opt.num_steps == 0 and opt.schedule["lr"] == 0.5
+    assert torch.rand(1).item() == expected_draw      # RNG left as this run seeded it
+
+
+def test_no_load_optim_keeps_a_fresh_optimizer_and_this_runs_schedule(tmp_path):
+    _, model, _ = saved_run(tmp_path, [3])
+    cfg = tiny_config("--load", str(tmp_path), "--no-load-optim", "--lr", "0.5")
+    other, opt = fresh(cfg)
+    assert ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1) == \
+        (3, {"consumed_samples": 3})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert opt.adam.state == {} and opt.num_steps == 3 and opt.schedule["lr"] == 0.5
+
+
+def test_no_load_rng_reseeds_from_the_seed_and_iteration(tmp_path, capsys):
+    saved_run(tmp_path, [3])
+    draws = []
+    for flags in (["--no-load-rng"], ["--no-load-rng", "--no-load-optim"]):
+        cfg = tiny_config("--load", str(tmp_path), *flags)
+        other, opt = fresh(cfg)
+        ckpt.load_checkpoint(str(tmp_path), [other], opt, cfg, 0, 1)
+        draws.append((random.random(), np.random.rand(), torch.rand(1).item()))
+    ckpt.reseed(tiny_config().seed, 3)
+    assert draws == [(random.random(), np.random.rand(), torch.rand(1).item())] * 2
+    assert "RNG states not restored (--no-load-rng)" in capsys.readouterr().out
+
+
+def test_load_flags_need_a_load_directory(capsys):
+    for name in ("--finetune", "--no-load-optim", "--no-load-rng"):
+        with pytest.raises(SystemExit):
+            tiny_config(name)
+        assert f"{name} needs --load DIR" in capsys.readouterr().err
+
+
+def test_a_model_only_checkpoint_round_trips_and_needs_finetune(tmp_path):
+    torch.manual_seed(3)
+    source = tiny_model(seed=5)
+    full = {n: p.detach().clone() for n, p in source.named_parameters()}
+    signature = ckpt.shape_signature(tiny_config())
+    folder = ckpt.save_model_only_checkpoint(str(tmp_path), 0, full, signature)
+    assert folder == ckpt.iteration_dir(str(tmp_path), 0)
+    assert ckpt.latest_iteration(str(tmp_path)) == 0
+    back = ckpt.read_full_model_state(str(tmp_path))
+    assert back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
+
+    cfg = tiny_config("--load", str(tmp_path))
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError, match="holds model weights only .* --finetune"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    cfg = tiny_config("--load", str(tmp_path), "--finetune")
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1) == (0, None)
+    assert all(torch.equal(p, full[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="config_signature lacks hidden_size"):
+        ckpt.save_model_only_checkpoint(str(tmp_path / "x"), 0, full,
+                                        {k: v for k, v in signature.items()
+                                         if k != "hidden_size"})
+
+
+def test_bf16_main_weights_and_moments_survive_a_checkpoint(tmp_path):
+    cfg = tiny_config()
+    torch.manual_seed(1)
+    model = tiny_model().to(torch.bfloat16)
+    opt = TrainOptimizer(model.named_parameters(), cfg)
+    for it in range(2):
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step(it)
+    ckpt.save_checkpoint(str(tmp_path), 2, [model], opt, None, cfg, 0, 1)
+    other = tiny_model(seed=99).to(torch.bfloat16)
+    other_opt = TrainOptimizer(other.named_parameters(), cfg)
+    ckpt.load_checkpoint(str(tmp_path), [other], other_opt, cfg, 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(opt.main_params, other_opt.main_params))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    for mine, theirs in zip(adam_state(other_opt), adam_state(opt)):
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 # ---------------------------------------------------------------------------- real runs

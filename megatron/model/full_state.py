@@ -19,17 +19,48 @@ import torch
 from megatron.model.init_weights import full_shape, tp_slice
 
 
+def shard_of(tensor: torch.Tensor, like: torch.Tensor, tp_rank: int, tp_size: int) -> dict:
+    """`tensor` (this rank's part of a parameter, or of optimizer state shaped like it) as a
+    shard, split the way parameter `like` is (megatron's tensor_model_parallel attributes)."""
+    split = getattr(like, "tensor_model_parallel", False) and tp_size > 1
+    return {"tensor": tensor.detach().cpu(),
+            "dim": int(like.partition_dim) if split else -1,
+            "index": tp_rank if split else 0,
+            "count": tp_size if split else 1}
+
+
+def whole(tensor: torch.Tensor) -> dict:
+    """A full tensor as its only shard."""
+    return {"tensor": tensor.detach().cpu(), "dim": -1, "index": 0, "count": 1}
+
+
 def local_shards(named_params: Iterable[tuple[str, torch.Tensor]], tp_rank: int,
                  tp_size: int) -> dict[str, dict]:
     """The shards this rank holds, keyed by global name (tensors detached, on the CPU)."""
-    shards = {}
-    for name, param in named_params:
-        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-        shards[name] = {"tensor": param.detach().cpu(),
-                        "dim": int(param.partition_dim) if split else -1,
-                        "index": tp_rank if split else 0,
-                        "count": tp_size if split else 1}
-    return shards
+    return {name: shard_of(param, param, tp_rank, tp_size) for name, param in named_params}
+
+
+def saved_shape(shards: list[dict]) -> tuple[int, ...]:
+    """The full tensor's shape, from its shards' metadata (no data is read)."""
+    first = shards[0]
+    shape = list(first["tensor"].shape)
+    if first["count"] > 1:
+        shape[first["dim"]] *= first["count"]
+    return tuple(shape)
+
+
+def local_part(name: str, shards: list[dict], like: torch.Tensor, tp_rank: int,
+               tp_size: int) -> torch.Tensor:
+    """The part of parameter `name` that this rank holds, shaped like `like`'s full tensor
+    sliced at `tp_rank` of `tp_size`. When the shards were split the same way as this rank
+    splits, the one chunk needed is taken as is (nothing else read); otherwise the full
+    tensor is assembled and sliced."""
+    split = getattr(like, "tensor_model_parallel", False) and tp_size > 1
+    if split:
+        for s in shards:
+            if (s["dim"], s["count"], s["index"]) == (like.partition_dim, tp_size, tp_rank):
+                return s["tensor"]
+    return tp_slice(assemble(name, shards), like, tp_rank, tp_size)
 
 
 def assemble(name: str, shards: list[dict]) -> torch.Tensor:
@@ -58,19 +89,34 @@ def load_full_state(named_params: Iterable[tuple[str, torch.Tensor]],
                     where: str) -> int:
     """Copy this rank's slice of every full tensor into its parameter; returns how many were
     set. ValueError naming `where` and every parameter that is missing or has the wrong shape."""
-    problems, count = [], 0
-    for name, param in named_params:
-        if name not in full:
-            problems.append(f"{name}: missing")
-            continue
-        want = full_shape(param, tp_size)
-        if tuple(full[name].shape) != want:
-            problems.append(f"{name}: shape {tuple(full[name].shape)}, the model needs {want}")
-            continue
-        param.copy_(tp_slice(full[name], param, tp_rank, tp_size).to(param.dtype))
-        count += 1
+    return load_sharded_state(named_params, {n: [whole(t)] for n, t in full.items()}, tp_rank,
+                              tp_size, where)
+
+
+@torch.no_grad()
+def load_sharded_state(named_params: Iterable[tuple[str, torch.Tensor]],
+                       shards: Mapping[str, list[dict]], tp_rank: int, tp_size: int,
+                       where: str) -> int:
+    """As load_full_state, from shards ({global name: [shard, ...]}, any split)."""
+    named = list(named_params)
+    problems = shape_problems(named, shards, tp_size)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more"
                                            if len(problems) > 8 else "")
         raise ValueError(f"{where}: does not fit this model: {shown}")
-    return count
+    for name, param in named:
+        param.copy_(local_part(name, shards[name], param, tp_rank, tp_size).to(param.dtype))
+    return len(named)
+
+
+def shape_problems(named_params, shards: Mapping[str, list[dict]], tp_size: int) -> list[str]:
+    """Parameters missing from `shards` or saved with another full shape."""
+    problems = []
+    for name, param in named_params:
+        if not shards.get(name):
+            problems.append(f"{name}: missing")
+            continue
+        want, have = full_shape(param, tp_size), saved_shape(shards[name])
+        if have != want:
+            problems.append(f"{name}: shape {have}, the model needs {want}")
+    return problems

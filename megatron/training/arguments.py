@@ -81,6 +81,9 @@ class TrainConfig:
     keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
     override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
+    finetune: bool = False                      # --load weights only: iteration 0, fresh state
+    no_load_optim: bool = False                 # --load without optimizer / LR schedule state
+    no_load_rng: bool = False                   # --load without RNG states (reseed)
     global_batch_size: int = 0                  # samples per global batch; 0 = token budget
     debug: bool = False                         # a failure prints its traceback too
     mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
@@ -210,6 +213,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
     need(not (cfg.keep_last and not cfg.save), "--keep-last needs --save DIR")
+    for load_flag in ("finetune", "no_load_optim", "no_load_rng"):
+        need(not (getattr(cfg, load_flag) and not cfg.load), f"--{flag(load_flag)} needs --load DIR")
     need(not (cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler),
          "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
          "mutually exclusive")
@@ -400,6 +405,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    "--use-checkpoint-opt_param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on --load, keep the checkpoint's LR schedule settings")
+    g.add_argument("--finetune", action="store_true",
+                   help="on --load, load the model weights only and start at iteration 0 with "
+                        "a fresh optimizer, LR schedule and sampler (e.g. converted weights)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="on --load, keep a fresh optimizer and follow this run's LR flags")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="on --load, do not restore RNG states (reseed from --seed)")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars here (needs `pip install tensorboard`, "
@@ -485,6 +497,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         stats_file=args.stats_file, keep_last=args.keep_last,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        finetune=args.finetune, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
         debug=args.debug, mixing_cap=args.mixing_cap,
         mixing_temperature=args.mixing_temperature,
         device_flops=args.device_flops,

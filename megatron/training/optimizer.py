@@ -10,6 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.model.full_state import local_part, shard_of
 from megatron.training.grad_buffer import GradBuffer
 
 
@@ -131,6 +132,7 @@ class TrainOptimizer:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("the optimizer got no trainable parameters for this rank")
+        self.names = [n for n, _ in named]     # global names: the checkpoint's keys
         self.model_params = [p for _, p in named]
         self.grad_buffer = grad_buffer or GradBuffer({0: self.model_params})
         missing = [n for n, p in named if getattr(p, "main_grad", None) is None]
@@ -199,21 +201,57 @@ class TrainOptimizer:
         if self._half:
             torch._foreach_copy_([p for p, _ in self._half], [m for _, m in self._half])
 
-    def state_dict(self) -> dict:
-        """Adam moments, plus the fp32 main weights when the model itself is not fp32."""
-        return {"adam": self.adam.state_dict(),
-                "main_params": [m.detach().clone() for _, m in self._half]}
+    @torch.no_grad()
+    def main_from_model(self) -> None:
+        """Set the fp32 main copies of bf16 parameters from the model (after its weights were
+        loaded from a checkpoint)."""
+        for p, m in self._half:
+            m.copy_(p.float())
 
-    def load_state_dict(self, state: dict):
-        self.adam.load_state_dict(state["adam"])
-        distinct = [m for _, m in self._half]
-        if len(distinct) != len(state["main_params"]):
-            raise ValueError(f"checkpoint holds {len(state['main_params'])} fp32 main weights, "
-                             f"this run keeps {len(distinct)} (did --bf16 change?)")
-        with torch.no_grad():
-            for m, saved in zip(distinct, state["main_params"]):
-                m.copy_(saved)
+    def sharded_state_dict(self, tp_rank: int, tp_size: int) -> dict[str, dict]:
+        """Per parameter, by global name: Adam's moments as shards split like the parameter
+        (full_state), its step count, and the fp32 main weight ("main") when the model is not
+        fp32; layout-free, so a checkpoint reshards. Parameters without state yet are left out."""
+        state = {}
+        for name, p, m in zip(self.names, self.model_params, self.main_params):
+            saved = self.adam.state.get(m)
+            if not saved:
+                continue
+            entry = {k: shard_of(saved[k], p, tp_rank, tp_size) for k in ADAM_MOMENTS}
+            entry["step"] = saved["step"].detach().cpu()
+            if m.data_ptr() != p.data_ptr():
+                entry["main"] = shard_of(m, p, tp_rank, tp_size)
+            state[name] = entry
+        return state
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, shards: dict[str, list[dict]], tp_rank: int,
+                                tp_size: int, where: str) -> None:
+        """Restore the state of `sharded_state_dict`, saved at any TP: `shards[name]` lists the
+        saved entries of parameter `name` (one per TP shard). Main weights come from "main"
+        when saved (a bf16 run), else stay those of the model weights just loaded.
+        ValueError naming `where` and the parameters that have no saved state."""
+        missing = [n for n in self.names if not shards.get(n)]
+        if missing and len(missing) < len(self.names):
+            raise ValueError(f"{where}: no optimizer state for {len(missing)} parameters "
+                             f"({', '.join(missing[:5])}); pass --no-load-optim to start "
+                             f"with a fresh optimizer")
+        if missing:          # saved before any step: nothing to restore
+            return
+        for name, p, m in zip(self.names, self.model_params, self.main_params):
+            entries = shards[name]
+
+            def part(key):
+                return local_part(f"{name} ({key})", [e[key] for e in entries], p, tp_rank,
+                                  tp_size).to(device=m.device, dtype=torch.float32)
+            self.adam.state[m] = {k: part(k).clone() for k in ADAM_MOMENTS}
+            self.adam.state[m]["step"] = entries[0]["step"].clone().to(m.device)
+            if all("main" in e for e in entries):
+                m.copy_(part("main"))
         self._copy_main_to_model()
+
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def adam_kernel(device: torch.device) -> dict:

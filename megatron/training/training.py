@@ -340,7 +340,11 @@ def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -
     must match the checkpoint's unless --override-opt-param-scheduler or
     --use-checkpoint-opt-param-scheduler says which wins. Like Megatron, a --load directory
     without a checkpoint yet (e.g. --save and --load the same directory on a first run)
-    starts from iteration 0."""
+    starts from iteration 0 (with --finetune that is an error: the weights are the point).
+    The checkpoint may come from another TP / PP / DP layout (checkpointing.py)."""
+    if cfg.finetune and not os.path.isfile(os.path.join(cfg.load, checkpointing.LATEST)):
+        raise RunSetupError(f"--load {cfg.load} --finetune: no {checkpointing.LATEST} there "
+                            f"(no complete checkpoint to take the weights from)")
     if not os.path.isfile(os.path.join(cfg.load, checkpointing.LATEST)):
         if layout.rank == 0:
             print(f"[train] --load {cfg.load}: no checkpoint there yet, starting from "
@@ -348,7 +352,7 @@ def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -
         return 0
     modules = [stages[s] for s in sorted(stages)]
     done, sampler_state = checkpointing.load_checkpoint(cfg.load, modules, optimizer, cfg,
-                                                        layout.rank, layout.world_size)
+                                                        layout.rank, layout.world_size, layout)
     consumed = data.sampler.consumed_before(done)
     if sampler_state and sampler_state["consumed_samples"] != consumed:
         raise RunSetupError(f"--load {cfg.load}: the checkpoint consumed "
@@ -430,7 +434,8 @@ def replica_totals(micro_batches, layout: ParallelLayout) -> tuple[int, int]:
 def save(run: TrainingRun, iterations_done: int) -> None:
     sampler_state = run.data.sampler.state_dict(run.data.sampler.consumed_before(iterations_done))
     checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules, run.optimizer,
-                                  sampler_state, run.cfg, run.layout.rank, run.layout.world_size)
+                                  sampler_state, run.cfg, run.layout.rank, run.layout.world_size,
+                                  run.layout)
     if run.layout.rank == 0:
         print(f"[train] saved checkpoint of iteration {iterations_done} to {run.cfg.save}",
               flush=True)
