@@ -173,6 +173,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
     config = build_transformer_config(spec, cfg.tensor_model_parallel_size,
                                       cfg.pipeline_model_parallel_size, model_dtype(cfg),
+                                      hidden_dropout=cfg.hidden_dropout,
+                                      attention_dropout=cfg.attention_dropout,
                                       fused=layout.device.type == "cuda")
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config)
     initialize_stage_weights(stages, cfg.seed)
