@@ -93,6 +93,20 @@ def test_recompute_replays_the_same_dropout_masks(world, spec):
                                        msg=f"{mode}: {name}")
 
 
+def test_the_trainer_builds_its_layers_with_the_flags(world):
+    from megatron.training.arguments import parse_args
+    from megatron.training.distributed_setup import current_layout
+    from megatron.training.training import build_stages, model_spec
+    cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                             "4", "--train-iters", "1", "--data-path", "x", "--hidden-dropout",
+                             "0.2", "--attention-dropout", "0.3"], has_cuda=False)
+    stage = build_stages(cfg, model_spec(cfg, 100), current_layout(), (0,))[0]
+    assert (stage.config.hidden_dropout, stage.config.attention_dropout) == (0.2, 0.3)
+    assert stage.embedding.embedding_dropout.p == 0.2
+    assert {m.attention_dropout.p for n, m in stage.named_modules()
+            if n.endswith("core_attention")} == {0.3}
+
+
 def test_streams_follow_megatron_seeding():
     """Default generator: seed + 100 x pipeline rank (equal across TP ranks);
     'model-parallel-rng': that + 2718 + TP rank, as megatron-core seeds its CUDA tracker."""
