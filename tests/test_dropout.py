@@ -216,3 +216,29 @@ def test_the_planner_counts_dropout_memory():
     off = parse_args("gpt", base + ["--hidden-dropout", "0", "--attention-dropout", "0"],
                      has_cuda=False)
     assert dropout_options(off, "cpu") == {"dropout": False, "fused_attention": True}
+
+
+def seeds_worker(rank, world_size):
+    """PP=2 x DP=2: this rank's (pp rank, dp rank, default generator, model-parallel stream)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron.training.distributed_setup import setup_model_parallel
+    layout = setup_model_parallel(1, 2, seed=SEED, timeout_s=60)
+    return (layout.pp_rank, layout.dp_rank, torch.get_rng_state().numpy(),
+            get_cuda_rng_tracker().get_states()[MODEL_RNG].numpy())
+
+
+@pytest.mark.slow
+def test_pipeline_stages_draw_other_masks_data_parallel_replicas_the_same():
+    """As Megatron-LM seeds ranks (without --data-parallel-random-init)."""
+    results = run_in_processes(seeds_worker, 4, timeout_s=200)
+    by_rank = {(pp, dp): (default, model) for pp, dp, default, model in results}
+    assert sorted(by_rank) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for pp in (0, 1):
+        default, model = by_rank[(pp, 0)]
+        assert np.array_equal(default, by_rank[(pp, 1)][0])
+        assert np.array_equal(model, by_rank[(pp, 1)][1])
+        assert np.array_equal(default, torch.Generator().manual_seed(
+            rank_seed(SEED, pp)).get_state().numpy())
+    assert not np.array_equal(by_rank[(0, 0)][0], by_rank[(1, 0)][0])
+    assert not np.array_equal(by_rank[(0, 0)][1], by_rank[(1, 0)][1])
