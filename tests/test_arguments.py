@@ -197,3 +197,28 @@ def test_tensorboard_dir_says_how_to_get_tensorboard(capsys, tmp_path):
         return
     err = parse_or_exit_message(capsys, "gpt", argv)
     assert "tensorboard package is not installed" in err and "pip install tensorboard" in err
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_help_lists_the_dropout_wsd_and_mixing_flags(capsys, model):
+    with pytest.raises(SystemExit):
+        parse_args(model, ["--help"], has_cuda=False)
+    text = " ".join(capsys.readouterr().out.split())
+    for flag_name in ("--hidden-dropout", "--attention-dropout", "--lr-wsd-decay-iters",
+                      "--lr-wsd-decay-style", "--mixing-cap", "--mixing-temperature",
+                      "--global-batch-size", "--tokens-per-global-batch"):
+        assert flag_name in text, flag_name
+    assert "inverse-square-root,WSD" in text and "minus_sqrt" in text
+    assert "Megatron's default 0.1" in text
+
+
+def test_dropout_flags_reach_the_config_and_are_checked(capsys):
+    cfg = parse_args("t5", BASE + ["--hidden-dropout", "0.2", "--attention-dropout", "0"],
+                     has_cuda=False)
+    assert (cfg.hidden_dropout, cfg.attention_dropout) == (0.2, 0.0)
+    default = parse_args("gpt", BASE, has_cuda=False)
+    assert (default.hidden_dropout, default.attention_dropout) == (0.1, 0.1)
+    err = parse_or_exit_message(capsys, "gpt", ["--hidden-dropout", "1", "--attention-dropout",
+                                                "-0.1"])
+    assert "--hidden-dropout must lie in [0, 1), got 1.0" in err
+    assert "--attention-dropout must lie in [0, 1), got -0.1" in err

@@ -130,10 +130,23 @@ def test_blended_run_trains(two_prefixes, tmp_path):
     done = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL, *tokenizer,
                            "--data-path", "0.3", a, "0.7", b, "--mixing-cap", "20",
                            "--global-batch-size", "6", "--num-planner-workers", "0",
-                           "--stats-file", str(stats)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+                           "--stats-file", str(stats), "--save", str(tmp_path / "ckpt")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in open(stats)]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert os.path.exists(stats)
+    # resuming with another mixing cap would draw other batches: one line naming the flag
+    env["MASTER_PORT"] = str(free_port())
+    resumed = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL[:-4], *tokenizer,
+                              "--train-iters", "3", "--lr-decay-iters", "2",
+                              "--seq-length", "128",
+                              "--data-path", "0.3", a, "0.7", b, "--mixing-cap", "10",
+                              "--global-batch-size", "6", "--num-planner-workers", "0",
+                              "--load", str(tmp_path / "ckpt")], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode != 0
+    lines = [line for line in resumed.stderr.splitlines() if "--mixing-cap" in line]
+    assert len(lines) == 1 and "--mixing-cap was 20 when the checkpoint was written, this " \
+        "run has 10" in lines[0], resumed.stderr[-3000:]

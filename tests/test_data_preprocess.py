@@ -208,6 +208,47 @@ def test_empty_inputs_are_written_by_default_and_empty_targets_stay_rejected(tmp
     assert f"{dump}:8: empty target" in capsys.readouterr().err
 
 
+def test_a_flan_parquet_dump_with_empty_inputs_writes_every_valid_sample(tmp_path, samples,
+                                                                         capsys):
+    """Public FLAN dumps ship as parquet (columns inputs, targets, _task_name, _task_source,
+    _template_type, plus others such as _template_idx): read for real with pyarrow, across
+    row groups, with null optional columns; zero-shot rows (empty inputs) are all written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [make_flan_sample.to_dump_row(s, "_task_name") for s in samples[:50]]
+    for i, row in enumerate(rows):
+        row["_template_idx"] = i % 10          # a column the reader does not need
+        if i % 4 == 0:
+            row["inputs"] = ""                 # zero-shot: target only
+    rows[5]["_task_source"] = None             # a null optional field reads as ""
+    dump = tmp_path / "flan.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), dump, row_group_size=7)
+    assert pq.ParquetFile(dump).num_row_groups == 8
+    prefix = str(tmp_path / "flan")
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress"]) == 0
+    ds = MultiTaskDataset(prefix)
+    tokenizer = build_tokenizer("GPT2BPETokenizer")
+    assert len(ds) == 50 and (ds.input_lengths == 0).sum() == 13
+    for i, row in enumerate(rows):
+        assert ds.input_ids(i).tolist() == tokenizer.encode(row["inputs"])
+        assert ds.target_ids(i).tolist() == tokenizer.encode(row["targets"])
+        assert ds.task_names[ds.task_id(i)] == row["_task_name"]
+    summary = json.load(open(dataset_paths(prefix)[1]["summary"]))
+    assert summary["samples"] == {"read": 50, "written": 50, "rejected": 0,
+                                  "rejected_by_reason": {}}
+    # a null target is a bad row named by its row number; --skip-bad counts and drops it
+    rows[9]["targets"] = None
+    pq.write_table(pa.Table.from_pylist(rows), dump, row_group_size=7)
+    capsys.readouterr()
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress"]) == 2
+    assert f"{dump}:10: " in capsys.readouterr().err
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress", "--skip-bad"]) == 0
+    assert len(MultiTaskDataset(prefix)) == 49
+
+
 def test_bigbench_samples_with_empty_inputs_are_all_written(tmp_path, capsys):
     from megatron.data.bigbench_tasks import bigbench_samples
     task = {"name": "bare", "example_input_prefix": "", "example_output_prefix": "",

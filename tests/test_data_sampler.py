@@ -117,10 +117,34 @@ def test_resume_with_other_settings_or_off_boundary_is_an_error():
     lengths, tasks = make_data()
     run = GlobalBatchSampler(lengths, tasks, 4096, seed=9)
     other = GlobalBatchSampler(lengths, tasks, 4096, seed=10)
-    with pytest.raises(ValueError, match="seed=9"):
+    with pytest.raises(ValueError, match="seed was 9 when the checkpoint was written, this "
+                                         "run has 10"):
         next(other.resume_from(run.state_dict(100)))
     with pytest.raises(ValueError, match="not a batch boundary"):
         run.iteration_of(run.consumed_before(3) + 1)
+
+
+def test_the_state_records_the_settings_and_a_resume_names_the_first_that_differs():
+    lengths, tasks = make_data()
+    flags = {"--mixing-cap": None, "--global-batch-size": 8, "--data-path weights": [0.3, 0.7]}
+    run = GlobalBatchSampler(lengths, tasks, 4096, seed=9, settings=flags)
+    state = run.state_dict(0)
+    assert state["settings"] == flags
+    GlobalBatchSampler(lengths, tasks, 4096, seed=9, settings=dict(flags)).check_resume(state)
+    for name, now, shown in (("--mixing-cap", 500, "was unset when the checkpoint was written, "
+                                                   "this run has 500"),
+                             ("--global-batch-size", 16, "was 8 when"),
+                             ("--data-path weights", (0.5, 0.5), "was 0.3 0.7 when the "
+                                                                 "checkpoint was written, this "
+                                                                 "run has 0.5 0.5")):
+        other = GlobalBatchSampler(lengths, tasks, 4096, seed=9, settings={**flags, name: now})
+        with pytest.raises(ValueError) as err:
+            other.check_resume(state)
+        assert str(err.value).startswith(f"{name} {shown}") and "\n" not in str(err.value)
+    # a setting the checkpoint did not record yet is not compared
+    newer = GlobalBatchSampler(lengths, tasks, 4096, seed=9,
+                               settings={**flags, "--mixing-temperature": 2.0})
+    newer.check_resume(state)
 
 
 def test_bad_arguments():

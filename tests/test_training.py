@@ -24,6 +24,66 @@ def test_learning_rate_warms_up_then_decays_to_min():
     assert learning_rate(8, 1.0, 0.0, 4, 12, "constant") == 1.0
 
 
+@pytest.mark.parametrize("style", ["exponential", "linear", "cosine", "minus_sqrt"])
+def test_wsd_matches_the_formula_and_megatron_cores_scheduler(style):
+    """Warm-up 10, stable at lr, the last 20 of 100 decay iterations anneal to min_lr."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    lr, min_lr = 1.0, 0.1
+    shape = {"exponential": lambda r: 2 * 0.5 ** r - 1, "linear": lambda r: 1 - r,
+             "cosine": lambda r: 0.5 * (1 + math.cos(math.pi * r)),
+             "minus_sqrt": lambda r: 1 - math.sqrt(r)}[style]
+
+    def ours(it):
+        return learning_rate(it, lr, min_lr, 10, 100, "WSD", 20, style)
+    assert [ours(i) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]          # warm-up
+    assert ours(10) == ours(50) == ours(80) == lr                   # stable
+    for it in (81, 85, 90, 99):                                     # annealing
+        assert ours(it) == pytest.approx(min_lr + (lr - min_lr) * shape((it - 80) / 20))
+    assert ours(100) == ours(150) == pytest.approx(min_lr)          # after the decay
+    # megatron-core's own scheduler (its step count is our iteration after the warm-up)
+    groups = [{"params": []}]
+    megatron = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=groups), init_lr=0.0, max_lr=lr, min_lr=min_lr,
+        lr_warmup_steps=10, lr_decay_steps=100, lr_decay_style="WSD", start_wd=0.0,
+        end_wd=0.0, wd_incr_steps=100, wd_incr_style="constant", wsd_decay_steps=20,
+        lr_wsd_decay_style=style)
+    for it in (10, 40, 80, 81, 87, 95, 100, 120):
+        megatron.num_steps = it
+        assert ours(it) == pytest.approx(megatron.get_lr(groups[0])), it
+
+
+def test_wsd_flags_are_checked_and_reach_the_schedule(capsys):
+    from megatron.training.optimizer import schedule_settings
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--train-iters", "100", "--data-path", "x", "--lr-warmup-iters", "10"]
+    cfg = parse_args("gpt", base + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "20",
+                                    "--lr-wsd-decay-style", "cosine"], has_cuda=False)
+    assert schedule_settings(cfg)["lr_wsd_decay_iters"] == 20
+    assert schedule_settings(cfg)["lr_wsd_decay_style"] == "cosine"
+    assert parse_args("gpt", base, has_cuda=False).lr_wsd_decay_style == "exponential"
+    for extra, message in ((["--lr-decay-style", "WSD"], "got 0"),
+                           (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "95"],
+                            "- --lr-warmup-iters = 90")):
+        with pytest.raises(SystemExit):
+            parse_args("gpt", base + extra, has_cuda=False)
+        err = capsys.readouterr().err
+        assert "--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters" in err and message in err
+
+
+def test_a_checkpoint_records_the_wsd_settings():
+    from megatron.training.optimizer import resolve_schedule
+    older = {"lr": 1.0, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_decay_iters": 10,
+             "lr_decay_style": "cosine"}          # written before WSD existed
+    now = dict(older, lr_wsd_decay_iters=0, lr_wsd_decay_style="exponential")
+    assert resolve_schedule(older, now, "check", "ckpt") == now
+    wsd = dict(now, lr_decay_style="WSD", lr_wsd_decay_iters=4)
+    with pytest.raises(ValueError) as err:
+        resolve_schedule(now, wsd, "check", "ckpt")
+    assert "--lr-wsd-decay-iters: checkpoint 0, now 4" in str(err.value)
+
+
 def test_norm_counts_tensor_parallel_duplicates_and_shared_copies_once():
     split = torch.nn.Parameter(torch.zeros(2))
     split.tensor_model_parallel = True

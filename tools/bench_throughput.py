@@ -62,6 +62,9 @@ def train_flags(job: dict, strategy: str) -> list[str]:
              "--pipeline-schedule", job["pipeline_schedule"],
              "--train-iters", str(job["warmup_iters"] + job["iters"]),
              "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", str(job["seed"]),
+             # as measured for BENCHMARKS.md: no dropout (on CPU attention dropout would
+             # also switch off the fused attention kernel)
+             "--hidden-dropout", "0", "--attention-dropout", "0",
              "--data-path", job["data_path"], "--log-interval", "1",
              "--num-planner-workers", "1", "--plan-prefetch", "2",
              "--distributed-timeout-minutes", str(job["timeout_minutes"])]

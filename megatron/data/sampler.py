@@ -9,7 +9,7 @@ and the stream position, so a batch can be looked up by iteration or by consumed
 planned ahead without consuming, and a resumed run sees exactly the same batches."""
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -48,13 +48,17 @@ class GlobalBatchSampler:
     sample_lengths: (n,) tokens per sample (GPT view), or (n, 2) encoder and decoder tokens
     (T5 view; both count toward the budget). Lengths are after truncation. `rates` replaces
     the mixing rates of the task ids (a blend passes one rate per (dataset, task) stream and
-    those stream ids as `task_ids`, see megatron/data/blend.py)."""
+    those stream ids as `task_ids`, see megatron/data/blend.py). `settings` names whatever
+    else decided the batches (the trainer: its batch and mixing flags, by flag name); the
+    checkpoint state records them and a resume must match them (`check_resume`); without
+    it, the seed and the token budget are recorded."""
 
     def __init__(self, sample_lengths: Sequence, task_ids: Sequence, tokens_per_global_batch: int,
                  seed: int = 1234, mixing_cap: Optional[int] = None, temperature: float = 1.0,
                  max_samples_per_batch: Optional[int] = None,
                  task_names: Optional[Sequence[str]] = None,
-                 rates: Optional[Sequence[float]] = None):
+                 rates: Optional[Sequence[float]] = None,
+                 settings: Optional[Mapping[str, object]] = None):
         lengths = np.asarray(sample_lengths, dtype=np.int64)
         self.costs = lengths.sum(axis=1) if lengths.ndim == 2 else lengths
         self.task_ids = np.asarray(task_ids, dtype=np.int64)
@@ -64,6 +68,9 @@ class GlobalBatchSampler:
         self.tokens_per_global_batch = int(tokens_per_global_batch)
         self.seed = int(seed)
         self.max_samples_per_batch = max_samples_per_batch
+        self.settings = (dict(settings) if settings is not None else
+                         {"seed": self.seed,
+                          "tokens_per_global_batch": self.tokens_per_global_batch})
         num_tasks = len(task_names) if task_names is not None else None
         self.task_names = list(task_names) if task_names is not None else None
         self.rates = (mixing_rates(self.task_ids, num_tasks, mixing_cap, temperature)
@@ -192,12 +199,37 @@ class GlobalBatchSampler:
     def state_dict(self, consumed_samples: int) -> dict:
         """What a checkpoint keeps to resume (plus the settings to check on load)."""
         return {"consumed_samples": int(consumed_samples), "seed": self.seed,
-                "tokens_per_global_batch": self.tokens_per_global_batch}
+                "tokens_per_global_batch": self.tokens_per_global_batch,
+                "settings": dict(self.settings)}
+
+    def check_resume(self, state: dict) -> None:
+        """ValueError, one line, for the first setting that differs from the checkpoint's
+        (settings a checkpoint does not record, from before they were, are not compared)."""
+        saved = state.get("settings")
+        if saved is None:   # written before settings were recorded
+            saved = {k: state[k] for k in ("seed", "tokens_per_global_batch") if k in state}
+        for name, now in self.settings.items():
+            if name in saved and _differs(saved[name], now):
+                raise ValueError(
+                    f"{name} was {_shown(saved[name])} when the checkpoint was written, this "
+                    f"run has {_shown(now)}; the batches depend on it, so resume with the "
+                    f"checkpoint's value")
 
     def resume_from(self, state: dict) -> Iterator[np.ndarray]:
         """Batches that follow a checkpoint written with state_dict()."""
-        for key in ("seed", "tokens_per_global_batch"):
-            if state.get(key, getattr(self, key)) != getattr(self, key):
-                raise ValueError(f"checkpoint sampler {key}={state[key]} but this run uses "
-                                 f"{getattr(self, key)}")
+        self.check_resume(state)
         return self.batches(int(state["consumed_samples"]))
+
+
+def _differs(saved, now) -> bool:
+    """Checkpointed values come back as lists where they were tuples."""
+    norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+    return norm(saved) != norm(now)
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)

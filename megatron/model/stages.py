@@ -74,8 +74,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
-                             dtype: str = "float32", dropout: float = 0.0,
-                             recompute: str = "none",
+                             dtype: str = "float32", hidden_dropout: float = 0.0,
+                             attention_dropout: float = 0.0, recompute: str = "none",
                              fused: bool | None = None) -> TransformerConfig:
     """megatron-core config for the stage modules: CPU initialisation (the weights are set by
     init_weights, so megatron's own init is skipped). `fused` (default: when CUDA is there)
@@ -84,7 +84,9 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     costs tens of seconds of compilation and the compiled kernels were slower than eager
     (bias-GELU fwd+bwd 176 vs 76 ms at [512, 4, 1024], one thread), so CPU runs leave them off.
     Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
-    persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use."""
+    persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use.
+    Dropout defaults to 0 here (tests and tools compare exact numbers); the trainer passes
+    --hidden-dropout / --attention-dropout, whose streams megatron/model/rng.py seeds."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
@@ -95,8 +97,8 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         ffn_hidden_size=spec.ffn_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=attention_dropout,
         params_dtype=DTYPES[dtype],
         pipeline_dtype=DTYPES[dtype],
         bf16=dtype == "bfloat16",

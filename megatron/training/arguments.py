@@ -14,7 +14,8 @@ from megatron.data.blend import parse_data_path
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
 
 
@@ -88,6 +89,10 @@ class TrainConfig:
     debug: bool = False                         # a failure prints its traceback too
     mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
     mixing_temperature: float = 1.0
+    hidden_dropout: float = 0.1                 # Megatron's defaults
+    attention_dropout: float = 0.1
+    lr_wsd_decay_style: str = "exponential"     # WSD's annealing phase (Megatron's default)
+    lr_wsd_decay_iters: int = 0                 # its length in iterations; WSD needs > 0
     # device figures for planning (None: from the device; megatron/training/device_costs.py)
     device_flops: float | None = None
     device_memory_gb: float | None = None
@@ -178,6 +183,20 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr={cfg.lr} min_lr={cfg.min_lr}")
     need(cfg.lr_decay_style in LR_DECAY_STYLES,
          f"--lr-decay-style must be one of {LR_DECAY_STYLES}, got {cfg.lr_decay_style!r}")
+    need(cfg.lr_wsd_decay_style in LR_WSD_DECAY_STYLES,
+         f"--lr-wsd-decay-style must be one of {LR_WSD_DECAY_STYLES}, got "
+         f"{cfg.lr_wsd_decay_style!r}")
+    need(cfg.lr_wsd_decay_iters >= 0,
+         f"--lr-wsd-decay-iters must be >= 0, got {cfg.lr_wsd_decay_iters}")
+    if cfg.lr_decay_style == "WSD":
+        room = cfg.lr_decay_iters - cfg.lr_warmup_iters
+        need(0 < cfg.lr_wsd_decay_iters <= room,
+             f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters - "
+             f"--lr-warmup-iters = {room} (the annealing phase ends at --lr-decay-iters), "
+             f"got {cfg.lr_wsd_decay_iters}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        need(0 <= getattr(cfg, name) < 1,
+             f"--{flag(name)} must lie in [0, 1), got {getattr(cfg, name)}")
     need(cfg.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {cfg.lr_warmup_iters}")
     need(cfg.lr_decay_iters >= cfg.lr_warmup_iters,
          f"--lr-decay-iters {cfg.lr_decay_iters} is shorter than --lr-warmup-iters "
@@ -360,8 +379,17 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters (at least the warm-up)")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
                    help="after warm-up: constant, linear or cosine from --lr to --min-lr over "
-                        "--lr-decay-iters, or inverse-square-root (lr x sqrt(warm-up / step), "
-                        "at least --min-lr)")
+                        "--lr-decay-iters, inverse-square-root (lr x sqrt(warm-up / step), "
+                        "at least --min-lr), or WSD (warm-up, stable at --lr, then decay to "
+                        "--min-lr over the last --lr-wsd-decay-iters before --lr-decay-iters)")
+    g.add_argument("--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
+                   help="WSD's annealing shape (megatron-core's OptimizerParamScheduler): "
+                        "exponential (2 x 0.5^r - 1), linear (1 - r), cosine or minus_sqrt "
+                        "(1 - sqrt(r)) of the annealing progress r")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="iterations of WSD's annealing phase, required with --lr-decay-style "
+                        "WSD (Megatron's --lr-wsd-decay-samples has no counterpart: a global "
+                        "batch here has a variable number of samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -373,6 +401,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         "and Adam state (CPU, or a GPU with bf16)")
     g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout on the embeddings and after attention and MLP (Megatron's "
+                        "default 0.1; 0 turns it off)")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout on the attention probabilities (Megatron's default 0.1); on "
+                        "CPU any value > 0 runs attention unfused (torch's fused CPU kernel "
+                        "has no dropout): slower, and s^2 activations per head")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", required=True, nargs="+",
@@ -500,6 +535,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         finetune=args.finetune, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
         debug=args.debug, mixing_cap=args.mixing_cap,
         mixing_temperature=args.mixing_temperature,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters or 0,
         device_flops=args.device_flops,
         device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
         p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us)

@@ -255,8 +255,9 @@ def capture_rng_state() -> dict:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = {k: v.clone() for k, v in
-                            tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()   # CPU or CUDA states
+    if tracker:
+        state["tracker"] = {k: v.clone() for k, v in tracker.items()}
     return state
 
 
@@ -271,7 +272,14 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    now = tracker.get_states()
+    saved = state.get("tracker") or {}
+    # the dropout streams go on where they were, when saved for this kind of generator (a
+    # checkpoint from a GPU run resumed on CPU, or back, keeps this run's fresh seeding)
+    if now and sorted(saved) == sorted(now) and all(
+            saved[k].shape == now[k].shape for k in now):
+        tracker.set_states(dict(saved))
 
 
 def reseed(seed: int, iteration: int) -> None:

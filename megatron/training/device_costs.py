@@ -190,6 +190,15 @@ def measure_link(groups: tuple, device, rounds: int = 10,
                      bandwidth_bytes_per_ms=two_digits(large_bytes / max(transfer_s, 1e-9) / 1e3))
 
 
+def dropout_options(cfg, kind: str) -> dict:
+    """The analytic model's dropout terms: its masks when any dropout is on, and, for
+    attention dropout on CPU, the unfused attention's s^2 activations (torch's fused CPU
+    attention has no dropout; on GPU the fused kernels draw it in place)."""
+    attention = cfg.attention_dropout > 0
+    return {"dropout": cfg.hidden_dropout > 0 or attention,
+            "fused_attention": not (attention and kind == "cpu")}
+
+
 def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> CostModelSource:
     """The planner's cost model for this run: analytic (FLOPs and activation bytes at the
     run's precision) or the profile at --cost-model, either with the device's usable memory
@@ -201,6 +210,7 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> Cos
             device_flops=figures.flops, device_mem_bytes=figures.usable_bytes,
             bytes_per_param_state=states, dtype_bytes=2 if cfg.bf16 else 4,
             max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
-            full_recompute="stage")   # run_stage_forward: one checkpoint per stage, any device
+            full_recompute="stage",   # run_stage_forward: one checkpoint per stage, any device
+            **dropout_options(cfg, figures.kind))
     return CostModelSource.profile(cfg.cost_model, device_memory_bytes=figures.usable_bytes,
                                    bytes_per_param_state=states)

@@ -16,8 +16,10 @@ from functools import reduce
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.utils import GlobalMemoryBuffer
+
+from megatron.model.rng import seed_model_parallel
 
 DEFAULT_TIMEOUT_S = 120.0
 DEVICE_ENV = "DYNAPIPE_DEVICE"    # "cpu": gloo and CPU tensors even where CUDA is visible
@@ -90,10 +92,12 @@ def install_cpu_memory_buffer() -> None:
         parallel_state._GLOBAL_MEMORY_BUFFER = CpuGlobalMemoryBuffer()
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch and megatron-core's RNG tracker (the tracker is what dropout forks from)."""
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda())
+def seed_everything(seed: int, on_gpu: bool | None = None) -> None:
+    """Seed torch and megatron-core's RNG tracker per rank as Megatron-LM does (the streams
+    dropout draws from; megatron/model/rng.py), on the CPU generator when not on a GPU."""
+    seed_model_parallel(seed, parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_pipeline_model_parallel_rank(),
+                        use_cuda() if on_gpu is None else on_gpu)
 
 
 def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
@@ -131,7 +135,7 @@ def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
     warm_up_pipeline_transfers(_P2P_GROUPS, current_layout().device)
     if not on_gpu:
         install_cpu_memory_buffer()
-    seed_everything(seed)
+    seed_everything(seed, on_gpu)
     return current_layout()
 
 

@@ -14,17 +14,26 @@ from megatron.model.full_state import local_part, shard_of
 from megatron.training.grad_buffer import GradBuffer
 
 
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
-                  decay_iters: int, decay_style: str) -> float:
+                  decay_iters: int, decay_style: str, wsd_decay_iters: int = 0,
+                  wsd_decay_style: str = "exponential") -> float:
     """LR for step `iteration` (0-based): linear warm-up to `lr`, then decay to `min_lr`
     (Megatron's styles; inverse-square-root falls as lr * sqrt(warm-up / steps done), never
-    below min_lr and without an end)."""
+    below min_lr and without an end; WSD holds `lr` until the last `wsd_decay_iters` steps
+    before `decay_iters` and anneals to `min_lr` over those with `wsd_decay_style`, as
+    megatron-core's OptimizerParamScheduler does)."""
     if warmup_iters and iteration < warmup_iters:
         return lr * (iteration + 1) / warmup_iters
     if decay_style == "inverse-square-root":
         return max(min_lr, lr * math.sqrt(max(warmup_iters, 1) / (iteration + 1)))
     if decay_style == "constant" or decay_iters <= warmup_iters:
         return lr
+    if decay_style == "WSD":
+        return min_lr + (lr - min_lr) * wsd_coefficient(iteration, decay_iters, wsd_decay_iters,
+                                                        wsd_decay_style)
     progress = min(1.0, (iteration - warmup_iters) / (decay_iters - warmup_iters))
     if decay_style == "linear":
         return min_lr + (lr - min_lr) * (1.0 - progress)
@@ -33,8 +42,32 @@ def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
     raise ValueError(f"unknown lr decay style {decay_style!r}")
 
 
+def wsd_coefficient(iteration: int, decay_iters: int, wsd_decay_iters: int,
+                    style: str) -> float:
+    """Share of (lr - min_lr) left at `iteration` in WSD's annealing phase, the last
+    `wsd_decay_iters` steps before `decay_iters` (1 before it starts, 0 at and after its end)."""
+    if wsd_decay_iters < 1:
+        raise ValueError(f"WSD needs wsd_decay_iters >= 1, got {wsd_decay_iters}")
+    anneal_start = decay_iters - wsd_decay_iters
+    if iteration <= anneal_start:
+        return 1.0
+    ratio = min(1.0, (iteration - anneal_start) / wsd_decay_iters)
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * ratio))
+    if style == "exponential":
+        return 2.0 * 0.5 ** ratio - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ValueError(f"unknown WSD decay style {style!r}, expected one of {WSD_DECAY_STYLES}")
+
+
 # The flags that shape the LR schedule (TrainConfig field names); a checkpoint records them.
-SCHEDULE_SETTINGS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+SCHEDULE_SETTINGS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style",
+                     "lr_wsd_decay_iters", "lr_wsd_decay_style")
+# what a checkpoint written before a setting existed implies for it (the behaviour then)
+SCHEDULE_DEFAULTS = {"lr_wsd_decay_iters": 0, "lr_wsd_decay_style": "exponential"}
 SCHEDULER_POLICIES = ("check", "override", "use-checkpoint")
 
 
@@ -50,6 +83,7 @@ def resolve_schedule(saved: dict, current: dict, policy: str, where: str) -> dic
     if policy not in SCHEDULER_POLICIES:
         raise ValueError(f"unknown scheduler policy {policy!r}, expected one of "
                          f"{SCHEDULER_POLICIES}")
+    saved = {**SCHEDULE_DEFAULTS, **saved}
     missing = [name for name in SCHEDULE_SETTINGS if name not in saved]
     if missing:
         raise ValueError(f"{where}: the checkpoint's LR schedule lacks {', '.join(missing)}")
@@ -163,7 +197,8 @@ class TrainOptimizer:
     def lr_at(self, iteration: int) -> float:
         c = self.schedule
         return learning_rate(iteration, c["lr"], c["min_lr"], c["lr_warmup_iters"],
-                             c["lr_decay_iters"], c["lr_decay_style"])
+                             c["lr_decay_iters"], c["lr_decay_style"], c["lr_wsd_decay_iters"],
+                             c["lr_wsd_decay_style"])
 
     def scheduler_state_dict(self) -> dict:
         """The LR schedule's settings and position, for the checkpoint."""

@@ -144,7 +144,8 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
 def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarray,
                   weights: list) -> GlobalBatchSampler:
     """Global batches over one dataset's tasks, or over a blend's (prefix, task) streams."""
-    common = dict(seed=cfg.seed, max_samples_per_batch=cfg.global_batch_size or None)
+    common = dict(seed=cfg.seed, max_samples_per_batch=cfg.global_batch_size or None,
+                  settings=sampler_settings(cfg))
     if not isinstance(dataset, BlendedMultiTaskDataset):
         return GlobalBatchSampler(lengths, dataset.task_ids, cfg.tokens_per_global_batch,
                                   mixing_cap=cfg.mixing_cap, temperature=cfg.mixing_temperature,
@@ -153,6 +154,21 @@ def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarr
     rates = stream_rates(dataset, weights, cfg.mixing_cap, cfg.mixing_temperature)
     return GlobalBatchSampler(lengths, dataset.stream_ids, cfg.tokens_per_global_batch,
                               task_names=names, rates=rates, **common)
+
+
+def sampler_settings(cfg: TrainConfig) -> dict:
+    """The flags that decide the global batches, by flag name: a checkpoint's sampler state
+    records them and a resume with other values is an error naming the flag."""
+    weights = [w for w, _ in parse_data_path(cfg.data_path)]
+    return {"--seed": cfg.seed,
+            "--global-batch-size": cfg.global_batch_size or None,
+            # derived from --global-batch-size when that is given
+            "--tokens-per-global-batch": (None if cfg.global_batch_size
+                                          else cfg.tokens_per_global_batch),
+            "--mixing-cap": cfg.mixing_cap, "--mixing-temperature": cfg.mixing_temperature,
+            # shares, so "3 A 7 B" resumes a run of "0.3 A 0.7 B"
+            "--data-path weights": (None if weights[0] is None
+                                    else [w / sum(weights) for w in weights])}
 
 
 # ---------------------------------------------------------------------------- model
@@ -175,6 +191,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
     config = build_transformer_config(spec, cfg.tensor_model_parallel_size,
                                       cfg.pipeline_model_parallel_size, model_dtype(cfg),
+                                      hidden_dropout=cfg.hidden_dropout,
+                                      attention_dropout=cfg.attention_dropout,
                                       fused=layout.device.type == "cuda")
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config)
     initialize_stage_weights(stages, cfg.seed)
@@ -353,6 +371,11 @@ def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -
     modules = [stages[s] for s in sorted(stages)]
     done, sampler_state = checkpointing.load_checkpoint(cfg.load, modules, optimizer, cfg,
                                                         layout.rank, layout.world_size, layout)
+    if sampler_state:
+        try:
+            data.sampler.check_resume(sampler_state)
+        except ValueError as exc:
+            raise RunSetupError(f"--load {cfg.load}: {exc}") from None
     consumed = data.sampler.consumed_before(done)
     if sampler_state and sampler_state["consumed_samples"] != consumed:
         raise RunSetupError(f"--load {cfg.load}: the checkpoint consumed "
