@@ -12,6 +12,11 @@ only considers schedules of that layout:
 * "1f1b", "adaptive" and "auto" (the faster of 1f1b and adaptive, chosen per replica and
   iteration): P stages, stage s on pipeline rank s;
 * "wave": Hanayo's W-wave layout, 2*W*P stages (`waves`, default 1).
+
+`forward_only=True` plans evaluation: the same split and candidate schedules, with every
+backward dropped (schedule_ir.forward_only) before the search picks the fastest candidate that
+fits; memory is then that of forwards alone, and the plans hold no backward or gradient
+transfer. The split itself still fits the training memory rule, which is stricter.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from .model_spec import ModelSpec
 from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
                        plan_micro_batches)
 from .schedule_ir import linear_layout, wave_layout
-from .schedule_search import best_candidate, evaluate_candidates, micro_batch_costs
+from .schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
+                              micro_batch_costs)
 from .schedules import MemoryLimitError
 from .simulator import CommModel
 
@@ -105,6 +111,7 @@ class IterationPlannerConfig:
     waves: int = 1
     recv_lookahead: int = 1
     comm: CommModel | None = None     # pipeline transfer time in the schedule search
+    forward_only: bool = False        # evaluation plans: forwards only, no backward
 
     def __post_init__(self):
         problems = []
@@ -221,6 +228,8 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
             costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
             found = evaluate_candidates(costs, memory_limit, config.pp, candidates, config.comm,
                                         waves=(config.waves,))
+            if config.forward_only:
+                found = forward_only_candidates(found, costs, config.comm)
             try:
                 chosen = best_candidate(found, memory_limit)
             except MemoryLimitError as err:
@@ -265,7 +274,7 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig) -> I
         plans = lower(chosen.schedule, micro_batches, config.spec, config.dtype, iteration,
                       dp_rank, config.recv_lookahead, timing=chosen.result)
         if config.check_plans:
-            check_plans(plans, config.spec)
+            check_plans(plans, config.spec, config.forward_only)
         for plan in plans:
             plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(plan)
     total_s = time.perf_counter() - start
