@@ -81,3 +81,120 @@ def test_forward_only_plans_serialise_like_training_plans():
     plan = plan_iteration(2, gpt_lengths(2), config)
     first = plan_from_bytes(plan.plan_bytes[(0, 0)])
     assert first.schedule == "1f1b-fwd" and first.iteration == 2
+
+
+# ---------------------------------------------------------------- --split
+
+from megatron.data.split import parse_split, split_counts, split_indices  # noqa: E402
+
+
+def test_split_counts_are_megatrons():
+    shares = parse_split("969,30,1")
+    assert split_counts(1000, shares) == (969, 30, 1)
+    assert split_counts(288, shares) == (279, 9, 0)
+    assert split_counts(10, parse_split("8/2")) == (8, 2, 0)
+    assert parse_split("1") == (1.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("text", ["a,b", "1,2,3,4", "0,0,0", "-1,2", ""])
+def test_bad_split_is_an_error_naming_the_flag(text):
+    with pytest.raises(ValueError, match="--split"):
+        parse_split(text)
+
+
+def test_split_parts_are_disjoint_cover_every_sample_and_spread_over_tasks():
+    groups = np.random.default_rng(0).integers(0, 5, 10_000)
+    train, valid, test = split_indices(groups, parse_split("969,30,1"), seed=1)
+    assert (len(train), len(valid), len(test)) == (9690, 300, 10)
+    assert not set(train) & set(valid) and not set(train) & set(test) \
+        and not set(valid) & set(test)
+    assert np.array_equal(np.sort(np.concatenate([train, valid, test])), np.arange(10_000))
+    per_task = np.bincount(groups[valid], minlength=5)
+    assert np.all(np.abs(per_task - 0.03 * np.bincount(groups)) <= 1.5), per_task
+    again = split_indices(groups, parse_split("969,30,1"), seed=1)
+    other = split_indices(groups, parse_split("969,30,1"), seed=2)
+    assert np.array_equal(again[1], valid) and not np.array_equal(other[1], valid)
+
+
+# ---------------------------------------------------------------- losses and reports
+
+from dynapipe_ext.microbatch import MicroBatch as _MB  # noqa: E402
+from megatron.training.evaluation import grouped_losses, task_families, token_tasks  # noqa: E402
+from megatron.training.train_logging import ValidationStats, validation_line  # noqa: E402
+
+
+def test_token_tasks_follow_packed_rows():
+    samples = {0: (np.zeros(3), np.zeros(3), np.ones(3)), 1: (np.zeros(2),) * 2 + (np.ones(2),),
+               2: (np.zeros(4), np.zeros(4), np.ones(4))}
+    owner = token_tasks(_MB(rows=((0, 1), (2,)), seq_len=6), samples, np.array([7, 8, 9]), 6,
+                        pad_task=99)
+    assert owner.tolist() == [[7, 7, 7, 8, 8, 99], [9, 9, 9, 9, 99, 99]]
+
+
+def test_grouped_losses_are_token_weighted_and_ordered_by_tokens():
+    got = grouped_losses([10.0, 6.0, 3.0, 0.0], [5, 2, 1, 0], ["a", "b", "a", "c"])
+    assert list(got) == ["a", "b"]                     # "c" has no tokens
+    assert got["a"] == (pytest.approx(13.0 / 6), 6) and got["b"] == (3.0, 2)
+    assert grouped_losses([1.0], [1], [""]) == {}       # no family named
+
+
+def test_validation_line_and_record_name_overall_top_tasks_and_families():
+    v = ValidationStats(iteration=5, loss=2.0, loss_tokens=30, samples=4, batches=2,
+                        tasks={"t1": (1.5, 20), "t2": (3.0, 10)}, families={"NIv2": (2.0, 30)},
+                        eval_s=0.5, plan_s=0.25)
+    line = validation_line(v, top=1)
+    assert line.startswith("[valid] iteration 5 | loss 2.0000 | ppl 7.39")
+    assert "t1 1.5000 (20) (+1 more)" in line and "families: NIv2 2.0000 (30)" in line
+    assert "planning 0.25s" in line
+    record = v.record()
+    assert record["iteration"] == 5 and record["validation"]["tasks"]["t2"] == \
+        {"loss": 3.0, "tokens": 10}
+
+
+# ---------------------------------------------------------------- flags and data
+
+from megatron.training.arguments import parse_args  # noqa: E402
+from tests.test_training import REPO, TINY_MODEL, env_with_repo, sp_dataset, torchrun  # noqa: E402,F401
+
+
+def gpt_args(*extra) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--train-iters", "4", "--data-path", "x", *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--eval-interval", "5"), "--eval-interval needs validation data"),
+    (("--eval-interval", "5", "--split", "100,0,0"), "holds out no validation samples"),
+    (("--split", "9,1", "--valid-data-path", "y"), "not both"),
+    (("--eval-interval", "5", "--split", "9,1", "--eval-iters", "0"), "--eval-iters must be > 0"),
+    (("--split", "9,x"), "--split '9,x'"),
+])
+def test_bad_validation_flags_are_one_clear_error(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args("gpt", gpt_args(*extra), has_cuda=False)
+    assert message in capsys.readouterr().err
+
+
+def test_default_run_has_no_validation():
+    cfg = parse_args("gpt", gpt_args(), has_cuda=False)
+    assert (cfg.eval_interval, cfg.split, cfg.valid_data_path) == (0, None, None)
+
+
+def test_split_holds_validation_samples_out_of_every_training_batch(sp_dataset):
+    from megatron.training.training import open_training_data
+    cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
+                             "--num-attention-heads", "2", "--train-iters", "4",
+                             "--seq-length", "128", "--tokens-per-global-batch", "1024",
+                             "--split", "80,20,0", "--eval-interval", "2", *sp_dataset],
+                     has_cuda=False)
+    train, valid = open_training_data(cfg, 0, "train"), open_training_data(cfg, 0, "valid")
+    assert train.held_out == valid.held_out == {"train": 240, "valid": 60, "test": 0}
+    assert not set(train.indices) & set(valid.indices)
+    drawn = {int(i) for it in range(60) for i in train.sample_ids(it)}
+    assert drawn <= set(train.indices) and len(drawn) > 200    # many batches, none held out
+    assert {int(i) for it in range(10) for i in valid.sample_ids(it)} <= set(valid.indices)
+    names = train.dataset.task_names
+    assert len({names[t] for t in valid.dataset.task_ids[valid.indices]}) > 10
+    families = task_families(valid.dataset)
+    assert all(families) and len(set(families)) > 1         # every task names its source
+    assert {"NIv2", "CoT"} <= set(families)

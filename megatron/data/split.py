@@ -1,11 +1,14 @@
 """Megatron's `--split 969,30,1`: train, validation and test shares of one dataset, held apart
 deterministically so that no sample is in two parts.
 
-Megatron cuts its document order into three contiguous ranges. A FLAN dump is usually ordered
-by task, so contiguous ranges would hold out whole tasks; here the same cut is made within each
-group of samples (a task, or a (prefix, task) stream of a blend) after a seeded shuffle, so
-every task keeps its share in each part. The share of a group is Megatron's rounding:
-boundaries at round(cumulative share * n), the last one at n."""
+The part sizes are Megatron's (get_train_valid_test_split_: boundaries at round(cumulative
+share * n)). Megatron then cuts its document order into contiguous ranges; a FLAN dump is
+usually ordered by task, so that would hold out whole tasks. Here every part instead takes its
+samples spread over the tasks (or a blend's (prefix, task) streams) in proportion to their sizes:
+the samples are ordered by a seeded systematic sampling within each task, and that order is cut
+at Megatron's boundaries. A task of n samples thus gets share * n samples of each part, give
+or take one.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -43,16 +46,17 @@ def split_counts(n: int, shares: Sequence[float]) -> tuple[int, ...]:
 
 def split_indices(groups: Sequence[int], shares: Sequence[float],
                   seed: int) -> tuple[np.ndarray, ...]:
-    """Sorted sample indices of each part (train, valid, test): within every group of
-    `groups` (one id per sample) a seeded permutation cut by split_counts."""
+    """Sorted sample indices of each part (train, valid, test) for samples in `groups` (one
+    group id per sample, e.g. the task id). Sample j of a group of n, in a seeded permutation,
+    sits at (j + offset) / n with a seeded offset in [0, 1) per group; all samples in that
+    order are cut by split_counts, so each part holds every group's share."""
     groups = np.asarray(groups, dtype=np.int64)
-    parts: list[list[np.ndarray]] = [[] for _ in shares]
+    keys = np.empty(len(groups))
     for group in np.unique(groups):
         members = np.flatnonzero(groups == group)
-        order = members[np.random.default_rng([seed, 3, int(group)]).permutation(len(members))]
-        start = 0
-        for k, count in enumerate(split_counts(len(members), shares)):
-            parts[k].append(order[start:start + count])
-            start += count
-    return tuple(np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64)
-                 for p in parts)
+        rng = np.random.default_rng([seed, 3, int(group)])
+        keys[members[rng.permutation(len(members))]] = \
+            (np.arange(len(members)) + rng.random()) / len(members)
+    order = np.lexsort((np.random.default_rng([seed, 4]).permutation(len(groups)), keys))
+    bounds = np.cumsum((0,) + split_counts(len(groups), shares))
+    return tuple(np.sort(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))

@@ -398,8 +398,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         "mixture towards small tasks (default 1)")
     g.add_argument("--split", default=None,
                    help="Megatron's train,validation,test shares of --data-path, e.g. "
-                        "969,30,1: a seeded, per-task hold-out (no sample in two parts); "
-                        "default: train on every sample")
+                        "969,30,1: Megatron's part sizes, each part spread over the tasks "
+                        "(seeded; no sample in two parts); training draws from the first. "
+                        "Default: train on every sample")
     g.add_argument("--valid-data-path", nargs="+", default=None,
                    help="validation data, the same syntax as --data-path (instead of --split)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")

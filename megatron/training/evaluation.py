@@ -130,8 +130,8 @@ class Evaluator:
         if valid_data.held_out:
             counts = valid_data.held_out
             source = (f"--split {cfg.split} of --data-path: {counts['train']} train, "
-                      f"{counts['valid']} validation, {counts['test']} test samples (held out "
-                      f"per task; no sample in two parts)")
+                      f"{counts['valid']} validation, {counts['test']} test samples (spread over "
+                      f"the tasks; no sample in two parts)")
         else:
             source = f"--valid-data-path: {len(valid_data.dataset)} samples"
         return (f"[valid] every {cfg.eval_interval} iterations and after the last: "
