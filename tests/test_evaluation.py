@@ -198,3 +198,123 @@ def test_split_holds_validation_samples_out_of_every_training_batch(sp_dataset):
     families = task_families(valid.dataset)
     assert all(families) and len(set(families)) > 1         # every task names its source
     assert {"NIv2", "CoT"} <= set(families)
+
+
+# ---------------------------------------------------------------- runs (slow)
+
+def _validate(rank, world_size, argv):
+    """build_run + one evaluation at the initial weights; returns the stats, the kinds of
+    instruction this rank's validation plans hold, and whether any gradient appeared."""
+    import torch
+    from megatron.training.training import build_run
+    cfg = parse_args("gpt", argv, has_cuda=False)
+    run = build_run(cfg, verbose=False)
+    try:
+        stats = run.evaluator.evaluate(run, 0)
+        again = run.evaluator.evaluate(run, 0)
+        kinds = sorted({type(i).__name__ for p in run.evaluator.plans for i in p.instructions})
+        grads = any(p.grad is not None or bool(getattr(p, "main_grad", torch.zeros(1)).any())
+                    for m in run.modules for p in m.parameters())
+        return stats, again, kinds, grads, [p.schedule for p in run.evaluator.plans]
+    finally:
+        run.close()
+
+
+def _reference(rank, world_size, argv):
+    """Per-task (loss sum, tokens) of the validation batches, one process, the whole model,
+    every sample in its own row (batch_tensors.unsplit_micro_batch)."""
+    import torch
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    from megatron.model.init_weights import initialize_stage_weights
+    from megatron.model.stages import build_rank_stages, build_transformer_config
+    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.training.training import model_spec, open_training_data
+    cfg = parse_args("gpt", argv, has_cuda=False)
+    setup_model_parallel(1, 1, cfg.seed)
+    data = open_training_data(cfg, 0, "valid")
+    spec = model_spec(cfg, data.vocab_size)
+    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec, dtype="float32"))
+    initialize_stage_weights(stages, cfg.seed)
+    sums: dict = {}
+    for k in range(cfg.eval_iters):
+        samples, ids = data.batch_samples(k), data.sample_ids(k)
+        order = list(samples)
+        batch = build_micro_batch(unsplit_micro_batch(order, samples, "gpt"), samples, "gpt",
+                                  data.pad_id)
+        with torch.no_grad():
+            losses = stages[0]((), batch).float() * batch["loss_mask"]
+        for row, pos in enumerate(order):
+            name = data.dataset.task_names[data.dataset.task_ids[ids[pos]]]
+            total, tokens = sums.get(name, (0.0, 0))
+            sums[name] = (total + float(losses[row].double().sum()),
+                          tokens + int(batch["loss_mask"][row].sum()))
+    return sums
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, world", [(("--pipeline-model-parallel-size", "2",
+                                             "--micro-batching", "dynamic"), 4),
+                                           (("--micro-batching", "packing"), 1)])
+def test_per_task_validation_losses_match_a_single_process_forward(sp_dataset, layout, world):
+    from tests.multiproc import run_in_processes
+    data_path = sp_dataset[sp_dataset.index("--data-path") + 1]
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "128", "--tokens-per-global-batch", "1024", "--train-iters", "2",
+            "--num-planner-workers", "0", "--check-plans", "--eval-interval", "1",
+            "--eval-iters", "3", "--valid-data-path", data_path, *sp_dataset, *layout]
+    ranks = run_in_processes(_validate, world, (argv,), timeout_s=400)
+    reference = run_in_processes(_reference, 1, (argv,), timeout_s=200)[0]
+    stats, again, kinds, grads, schedules = ranks[0]
+    untimed = [dataclasses.replace(r[0], eval_s=0.0, plan_s=0.0) for r in ranks]
+    assert all(u == untimed[0] for u in untimed)     # every rank learns the same result
+    assert again.loss == stats.loss and again.tasks == stats.tasks   # same batches each time
+    assert all(r[2] and "Backward" not in r[2] and "SendGradStart" not in r[2] for r in ranks)
+    assert not any(r[3] for r in ranks)              # no gradient from validation
+    assert all(s.endswith("-fwd") for s in schedules)
+    if world > 1:
+        assert any("SendActivationStart" in r[2] for r in ranks)     # really pipelined
+    assert set(stats.tasks) == set(reference) and len(reference) > 5
+    for name, (total, tokens) in reference.items():
+        assert stats.tasks[name][1] == tokens
+        assert stats.tasks[name][0] == pytest.approx(total / tokens, rel=1e-5, abs=1e-6), name
+    everything = sum(t for t, _ in reference.values()) / sum(n for _, n in reference.values())
+    assert stats.loss == pytest.approx(everything, rel=1e-6)
+    assert stats.loss_tokens == sum(n for _, n in reference.values())
+
+
+@pytest.mark.slow
+def test_quickstart_with_eval_prints_validation_and_writes_stats(sp_dataset, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.multiproc import free_port
+    stats_file = tmp_path / "stats.jsonl"
+    args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--seq-length",
+                                      "128", "--train-iters", "10", "--eval-interval", "5",
+                                      "--eval-iters", "2", "--split", "969,30,1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "pretrain_gpt.py", *args, "--stats-file", str(stats_file)]
+    done = subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    out = done.stdout
+    assert "291 train, 9 validation, 0 test samples" in out
+    lines = [line for line in out.splitlines() if line.startswith("[valid] iteration")]
+    assert [line.split(" | ")[0] for line in lines] == ["[valid] iteration 5",
+                                                        "[valid] iteration 10"]
+    assert all("top tasks by tokens: " in line and "families: " in line for line in lines)
+    records = [json.loads(line) for line in open(stats_file)]
+    train = [r for r in records if "validation" not in r]
+    valid = [r for r in records if "validation" in r]
+    assert [r["iteration"] for r in train] == list(range(1, 11))
+    assert [r["iteration"] for r in valid] == [5, 10]
+    for r in valid:
+        v = r["validation"]
+        assert sum(t["tokens"] for t in v["tasks"].values()) == v["loss_tokens"] > 0
+        assert sum(f["tokens"] for f in v["families"].values()) == v["loss_tokens"]
+        assert 0 < v["loss"] < 20 and v["eval_s"] > 0
+    # the evaluations ran on the weights of their iteration
+    assert valid[0]["validation"]["loss"] != valid[1]["validation"]["loss"]
+    assert "evaluations took" in out and "kept out of the training tokens/s" in out
