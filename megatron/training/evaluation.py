@@ -106,6 +106,13 @@ def grouped_losses(loss_sums, token_counts, names) -> dict[str, tuple[float, int
     return {name: (loss[name] / n, int(round(n))) for name, n in tokens.most_common()}
 
 
+def held_out_summary(split: str, counts: dict) -> str:
+    """What --split made of --data-path, e.g. for the start-up lines."""
+    return (f"--split {split} of --data-path: {counts['train']} train, {counts['valid']} "
+            f"validation, {counts['test']} test samples (spread over the tasks; no sample in "
+            f"two parts)")
+
+
 class Evaluator:
     """Runs validation for a training run (see the module docstring)."""
 
@@ -125,13 +132,10 @@ class Evaluator:
         return iterations_done % self.interval == 0 or iterations_done == self.train_iters
 
     @staticmethod
-    def describe(cfg, train_data, valid_data) -> str:
+    def describe(cfg, valid_data) -> str:
         """The run's validation set-up in one line (rank 0 prints it)."""
         if valid_data.held_out:
-            counts = valid_data.held_out
-            source = (f"--split {cfg.split} of --data-path: {counts['train']} train, "
-                      f"{counts['valid']} validation, {counts['test']} test samples (spread over "
-                      f"the tasks; no sample in two parts)")
+            source = held_out_summary(cfg.split, valid_data.held_out)
         else:
             source = f"--valid-data-path: {len(valid_data.dataset)} samples"
         return (f"[valid] every {cfg.eval_interval} iterations and after the last: "

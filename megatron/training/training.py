@@ -33,7 +33,7 @@ from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
-from megatron.training.evaluation import Evaluator
+from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
@@ -341,7 +341,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         else:
             describe_run(cfg, data, spec, layout, start)
             if valid is not None:
-                print(Evaluator.describe(cfg, data, valid), flush=True)
+                print(Evaluator.describe(cfg, valid), flush=True)
+            elif data.held_out:
+                print(f"[train] {held_out_summary(cfg.split, data.held_out)}; training draws "
+                      f"only from the train part", flush=True)
     plans = None   # a finished run starts neither planners nor plan delivery
     if not finished:
         plans = start_plan_delivery(plan_cfg, data.batch_lengths, layout.rank,
