@@ -202,12 +202,12 @@ def test_split_holds_validation_samples_out_of_every_training_batch(sp_dataset):
 
 # ---------------------------------------------------------------- runs (slow)
 
-def _validate(rank, world_size, argv):
+def _validate(rank, world_size, model, argv):
     """build_run + one evaluation at the initial weights; returns the stats, the kinds of
     instruction this rank's validation plans hold, and whether any gradient appeared."""
     import torch
     from megatron.training.training import build_run
-    cfg = parse_args("gpt", argv, has_cuda=False)
+    cfg = parse_args(model, argv, has_cuda=False)
     run = build_run(cfg, verbose=False)
     try:
         stats = run.evaluator.evaluate(run, 0)
@@ -220,7 +220,7 @@ def _validate(rank, world_size, argv):
         run.close()
 
 
-def _reference(rank, world_size, argv):
+def _reference(rank, world_size, model, argv):
     """Per-task (loss sum, tokens) of the validation batches, one process, the whole model,
     every sample in its own row (batch_tensors.unsplit_micro_batch)."""
     import torch
@@ -229,7 +229,7 @@ def _reference(rank, world_size, argv):
     from megatron.model.stages import build_rank_stages, build_transformer_config
     from megatron.training.distributed_setup import setup_model_parallel
     from megatron.training.training import model_spec, open_training_data
-    cfg = parse_args("gpt", argv, has_cuda=False)
+    cfg = parse_args(model, argv, has_cuda=False)
     setup_model_parallel(1, 1, cfg.seed)
     data = open_training_data(cfg, 0, "valid")
     spec = model_spec(cfg, data.vocab_size)
@@ -239,7 +239,7 @@ def _reference(rank, world_size, argv):
     for k in range(cfg.eval_iters):
         samples, ids = data.batch_samples(k), data.sample_ids(k)
         order = list(samples)
-        batch = build_micro_batch(unsplit_micro_batch(order, samples, "gpt"), samples, "gpt",
+        batch = build_micro_batch(unsplit_micro_batch(order, samples, model), samples, model,
                                   data.pad_id)
         with torch.no_grad():
             losses = stages[0]((), batch).float() * batch["loss_mask"]
@@ -252,18 +252,21 @@ def _reference(rank, world_size, argv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, world", [(("--pipeline-model-parallel-size", "2",
-                                             "--micro-batching", "dynamic"), 4),
-                                           (("--micro-batching", "packing"), 1)])
-def test_per_task_validation_losses_match_a_single_process_forward(sp_dataset, layout, world):
+@pytest.mark.parametrize("model, layout, world", [
+    ("gpt", ("--pipeline-model-parallel-size", "2", "--micro-batching", "dynamic"), 4),
+    ("gpt", ("--micro-batching", "packing"), 1),
+    ("gpt", ("--tensor-model-parallel-size", "2"), 2),
+    ("t5", ("--pipeline-model-parallel-size", "2", "--decoder-seq-length", "32"), 2)])
+def test_per_task_validation_losses_match_a_single_process_forward(sp_dataset, model, layout,
+                                                                   world):
     from tests.multiproc import run_in_processes
     data_path = sp_dataset[sp_dataset.index("--data-path") + 1]
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
             "--seq-length", "128", "--tokens-per-global-batch", "1024", "--train-iters", "2",
             "--num-planner-workers", "0", "--check-plans", "--eval-interval", "1",
             "--eval-iters", "3", "--valid-data-path", data_path, *sp_dataset, *layout]
-    ranks = run_in_processes(_validate, world, (argv,), timeout_s=400)
-    reference = run_in_processes(_reference, 1, (argv,), timeout_s=200)[0]
+    ranks = run_in_processes(_validate, world, (model, argv), timeout_s=400)
+    reference = run_in_processes(_reference, 1, (model, argv), timeout_s=200)[0]
     stats, again, kinds, grads, schedules = ranks[0]
     untimed = [dataclasses.replace(r[0], eval_s=0.0, plan_s=0.0) for r in ranks]
     assert all(u == untimed[0] for u in untimed)     # every rank learns the same result
@@ -271,7 +274,7 @@ def test_per_task_validation_losses_match_a_single_process_forward(sp_dataset, l
     assert all(r[2] and "Backward" not in r[2] and "SendGradStart" not in r[2] for r in ranks)
     assert not any(r[3] for r in ranks)              # no gradient from validation
     assert all(s.endswith("-fwd") for s in schedules)
-    if world > 1:
+    if "--pipeline-model-parallel-size" in layout:
         assert any("SendActivationStart" in r[2] for r in ranks)     # really pipelined
     assert set(stats.tasks) == set(reference) and len(reference) > 5
     for name, (total, tokens) in reference.items():

@@ -186,14 +186,15 @@ class Evaluator:
             plan_s = time.perf_counter() - start
         sums = torch.zeros((2, len(self.task_names) + 1), dtype=torch.float64,
                            device=run.layout.device)
+        modes = [module.training for module in run.modules]
         for module in run.modules:
-            module.eval()
+            module.eval()                # no dropout in validation, as in Megatron
         try:
             for k, plan in enumerate(self.plans):
                 self._run_batch(run, k, plan, sums)
         finally:
-            for module in run.modules:
-                module.train()
+            for module, mode in zip(run.modules, modes):
+                module.train(mode)
         loss_sums, tokens = reduce_over_stages_and_replicas(sums).cpu().numpy()
         loss_sums, tokens = loss_sums[:-1], tokens[:-1]     # the last column collects pads
         total = float(tokens.sum())
