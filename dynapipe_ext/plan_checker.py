@@ -3,12 +3,14 @@
 Checks (each failure is a PlanError naming rank, instruction index and what is wrong):
 * the plans agree (ranks 0..P-1, one stage_to_rank, iteration, replica, dtype, micro-batches);
 * each (mb, stage) has exactly one Forward and one Backward, on the rank holding the stage,
-  forward first (forward-only plans: one Forward, and no Backward or gradient transfer); compute inputs are present (LoadInput on data stages, the local previous stage
-  or a finished receive);
+  forward first (forward-only plans: one Forward, and no Backward or gradient transfer);
+  compute inputs are present (LoadInput on data stages, the local previous stage or a finished
+  receive);
 * each transfer starts then finishes once with the same peer/buffer/shapes/dtype; a send
   follows its producing compute; peers hold the neighbouring stage;
 * buffers: written (by a Start) only when free, read only while live, freed exactly once per
-  lifetime after its transfer finished (received activations after the stage's Backward);
+  lifetime after its transfer finished (received activations after the stage's Backward, or
+  its Forward in a forward-only plan);
 * per directed pair, the k-th send on src matches the k-th receive on dst (same mb, kind,
   neighbouring stages, shapes, dtype) — in-order point-to-point matching;
 * no deadlock: a rendezvous simulation (each rank in order; a Finish waits until the peer has

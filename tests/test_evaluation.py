@@ -2,6 +2,9 @@
 per-task losses, and (slow) a pipelined, data-parallel run whose per-task validation losses
 match a single-process forward of the same samples."""
 import dataclasses
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,8 +19,14 @@ from dynapipe_ext.schedule_ir import ScheduleError, forward_only, validate_sched
 from dynapipe_ext.schedules import one_f_one_b
 from dynapipe_ext.serialization import plan_from_bytes
 from dynapipe_ext.simulator import PipelineCosts, simulate
+from megatron.data.split import parse_split, split_counts, split_indices
+from megatron.training.arguments import parse_args
+from megatron.training.evaluation import grouped_losses, task_families, token_tasks
+from megatron.training.train_logging import ValidationStats, validation_line
 from tests.test_iteration_planner import (GPT, decoded, gpt_config, gpt_lengths, t5_config,
                                           t5_lengths)
+from tests.test_data_blend import two_prefixes  # noqa: F401
+from tests.test_training import REPO, TINY_MODEL, env_with_repo, sp_dataset  # noqa: F401
 
 
 # ---------------------------------------------------------------- forward-only plans
@@ -85,7 +94,6 @@ def test_forward_only_plans_serialise_like_training_plans():
 
 # ---------------------------------------------------------------- --split
 
-from megatron.data.split import parse_split, split_counts, split_indices  # noqa: E402
 
 
 def test_split_counts_are_megatrons():
@@ -118,15 +126,12 @@ def test_split_parts_are_disjoint_cover_every_sample_and_spread_over_tasks():
 
 # ---------------------------------------------------------------- losses and reports
 
-from dynapipe_ext.microbatch import MicroBatch as _MB  # noqa: E402
-from megatron.training.evaluation import grouped_losses, task_families, token_tasks  # noqa: E402
-from megatron.training.train_logging import ValidationStats, validation_line  # noqa: E402
 
 
 def test_token_tasks_follow_packed_rows():
     samples = {0: (np.zeros(3), np.zeros(3), np.ones(3)), 1: (np.zeros(2),) * 2 + (np.ones(2),),
                2: (np.zeros(4), np.zeros(4), np.ones(4))}
-    owner = token_tasks(_MB(rows=((0, 1), (2,)), seq_len=6), samples, np.array([7, 8, 9]), 6,
+    owner = token_tasks(MicroBatch(rows=((0, 1), (2,)), seq_len=6), samples, np.array([7, 8, 9]), 6,
                         pad_task=99)
     assert owner.tolist() == [[7, 7, 7, 8, 8, 99], [9, 9, 9, 9, 99, 99]]
 
@@ -153,8 +158,6 @@ def test_validation_line_and_record_name_overall_top_tasks_and_families():
 
 # ---------------------------------------------------------------- flags and data
 
-from megatron.training.arguments import parse_args  # noqa: E402
-from tests.test_training import REPO, TINY_MODEL, env_with_repo, sp_dataset, torchrun  # noqa: E402,F401
 
 
 def gpt_args(*extra) -> list[str]:
@@ -198,6 +201,28 @@ def test_split_holds_validation_samples_out_of_every_training_batch(sp_dataset):
     families = task_families(valid.dataset)
     assert all(families) and len(set(families)) > 1         # every task names its source
     assert {"NIv2", "CoT"} <= set(families)
+
+
+def test_split_of_a_weighted_blend_holds_out_from_every_prefix(two_prefixes):  # noqa: F811
+    from megatron.training.training import open_training_data
+    a, b, tokenizer = two_prefixes
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--train-iters", "4", "--seq-length", "128", "--tokens-per-global-batch", "1024",
+            "--data-path", "0.3", a, "0.7", b, "--split", "60,40,0", "--eval-interval", "2",
+            *tokenizer]
+    cfg = parse_args("gpt", argv, has_cuda=False)
+    train, valid = open_training_data(cfg, 0, "train"), open_training_data(cfg, 0, "valid")
+    n_a = len(train.dataset.parts[0])
+    assert train.held_out == {"train": 252, "valid": 168, "test": 0}      # of 300 + 120
+    assert not set(train.indices) & set(valid.indices)
+    assert (valid.indices < n_a).any() and (valid.indices >= n_a).any()
+    drawn = np.concatenate([train.sample_ids(i) for i in range(200)])
+    assert set(drawn.tolist()) <= set(train.indices.tolist())
+    assert abs(float((drawn < n_a).mean()) - 0.3) < 0.05       # the blend weights still hold
+    # a (prefix, task) stream whose samples all went to validation is simply not drawn
+    kept = np.bincount(train.dataset.stream_ids[train.indices],
+                       minlength=len(train.sampler.rates))
+    assert np.all(train.sampler.rates[kept == 0] == 0)
 
 
 # ---------------------------------------------------------------- runs (slow)
@@ -287,10 +312,6 @@ def test_per_task_validation_losses_match_a_single_process_forward(sp_dataset, m
 
 @pytest.mark.slow
 def test_quickstart_with_eval_prints_validation_and_writes_stats(sp_dataset, tmp_path):
-    import json
-    import subprocess
-    import sys
-
     from tests.multiproc import free_port
     stats_file = tmp_path / "stats.jsonl"
     args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--seq-length",

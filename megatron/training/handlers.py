@@ -22,7 +22,8 @@ State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
 Forward-only plans (evaluation, `reset(..., forward_only=True)`): every Forward runs under
 torch.no_grad and keeps nothing for a backward (an output lives until it is sent or the next
 local stage takes it); the HEAD stage keeps each micro-batch's masked per-token losses in
-`token_losses[mb]` (with the mask) for per-sample and per-task sums (megatron/training/evaluation.py).
+`token_losses[mb]` (with the mask) for per-sample and per-task sums
+(megatron/training/evaluation.py).
 Parameter gradients accumulate in fp32 `main_grad`s (grad_buffer.GradBuffer) over micro-batches;
 Backward tells the buffer when a stage's last backward runs, so buckets are summed over the
 data-parallel group while it runs; all_reduce_data_parallel_grads waits for the rest, giving the

@@ -5,7 +5,8 @@ the tokenizer and model (every rank, before any collective, so a bad file is the
 everywhere), start the process groups, build this rank's stages and optimizer, resume from a
 checkpoint, start planning ahead (unless the checkpoint has nothing left to train). `train(run)`
 is the loop: per iteration fetch this rank's plan, build its micro-batch tensors, run the
-executor, all-reduce gradients over data parallel, clip, step, log and save.
+executor, all-reduce gradients over data parallel, clip, step, log, validate (--eval-interval,
+megatron/training/evaluation.py) and save.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
-from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
+from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers,
                                         micro_batch_order)
@@ -175,6 +176,9 @@ def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarr
                                   task_names=dataset.task_names, **common)
     names = [f"{name} ({part.prefix})" for part in dataset.parts for name in part.task_names]
     rates = stream_rates(dataset, weights, cfg.mixing_cap, cfg.mixing_temperature)
+    if indices is not None:     # a stream whose few samples were all held out is not drawn
+        kept = np.bincount(subset(dataset.stream_ids), minlength=len(rates))
+        rates = np.where(kept > 0, rates, 0.0)
     return GlobalBatchSampler(subset(lengths), subset(dataset.stream_ids),
                               cfg.tokens_per_global_batch,
                               task_names=names, rates=rates, **common)
