@@ -22,6 +22,11 @@ Samples reach the data-parallel replicas one of two ways (`replica_split`):
   lowering and check run on that replica alone. Work per replica is O(samples / DP), so the
   plans of a replica can be made on its own node (`plan_iteration(..., replicas=...)`).
 Either way, the plans of a replica do not depend on which replicas one call plans.
+
+`forward_only=True` plans evaluation: the same split and candidate schedules, with every
+backward dropped (schedule_ir.forward_only) before the search picks the fastest candidate that
+fits; memory is then that of forwards alone, and the plans hold no backward or gradient
+transfer. The split itself still fits the training memory rule, which is stricter.
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of
                        plan_micro_batches)
 from .replica_split import deal_samples
 from .schedule_ir import linear_layout, wave_layout
-from .schedule_search import best_candidate, evaluate_candidates, micro_batch_costs
+from .schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
+                              micro_batch_costs)
 from .schedules import MemoryLimitError
 from .simulator import CommModel
 
@@ -120,6 +126,7 @@ class IterationPlannerConfig:
     recv_lookahead: int = 1
     comm: CommModel | None = None     # pipeline transfer time in the schedule search
     replica_split: str = "micro-batches"   # see the module docstring
+    forward_only: bool = False        # evaluation plans: forwards only, no backward
 
     def __post_init__(self):
         problems = []
@@ -242,6 +249,8 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
             costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
             found = evaluate_candidates(costs, memory_limit, config.pp, candidates, config.comm,
                                         waves=(config.waves,))
+            if config.forward_only:
+                found = forward_only_candidates(found, costs, config.comm)
             try:
                 chosen = best_candidate(found, memory_limit)
             except MemoryLimitError as err:
@@ -341,7 +350,7 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
         plans = lower(chosen.schedule, micro_batches, config.spec, config.dtype, iteration,
                       dp_rank, config.recv_lookahead, timing=chosen.result)
         if config.check_plans:
-            check_plans(plans, config.spec)
+            check_plans(plans, config.spec, config.forward_only)
         for plan in plans:
             plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(plan)
     total_s = time.perf_counter() - start

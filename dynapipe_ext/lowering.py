@@ -24,6 +24,9 @@ Per rank, in order:
   RecvXFinish waits right before the consuming compute. Received activations are the stage's
   input (autograd needs them): FreeBuffer after Backward(mb, s). Received gradients:
   FreeBuffer after the consuming Backward(mb, s).
+* Forward-only schedules (schedule_ir.forward_only, for evaluation) lower the same way: no
+  backward means no gradient transfers, and a received activation is freed right after the
+  Forward that consumes it.
 * Buffer ids are small integers per rank, reused once freed (lowest free id first), so the
   number of distinct ids is the peak number of live buffers.
 
@@ -253,8 +256,9 @@ def _rank_program(actions: Sequence[Action], sends: list[Transfer],
     for t in recvs:
         gaps[t.recv_gap].append((_RECV_START, t.pair_index, t.src, tag, t))
         gaps[t.consumer_pos].append((_RECV_FINISH, t.pair_index, t.src, tag + 1, t))
-        # Both kinds of received buffer live until Backward(mb, recv_stage) has run.
-        after = backward_pos[Action(t.recv_stage, BACKWARD, t.mb)]
+        # Both kinds of received buffer live until Backward(mb, recv_stage) has run; in a
+        # forward-only schedule (no backward) an activation lives until its Forward has run.
+        after = backward_pos.get(Action(t.recv_stage, BACKWARD, t.mb), t.consumer_pos)
         gaps[after + 1].append((_FREE_CONSUMED, t.pair_index, t.src, tag + 2, t))
         tag += 3
     loaded: set[int] = set()

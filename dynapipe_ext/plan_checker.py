@@ -3,12 +3,14 @@
 Checks (each failure is a PlanError naming rank, instruction index and what is wrong):
 * the plans agree (ranks 0..P-1, one stage_to_rank, iteration, replica, dtype, micro-batches);
 * each (mb, stage) has exactly one Forward and one Backward, on the rank holding the stage,
-  forward first; compute inputs are present (LoadInput on data stages, the local previous stage
-  or a finished receive);
+  forward first (forward-only plans: one Forward, and no Backward or gradient transfer);
+  compute inputs are present (LoadInput on data stages, the local previous stage or a finished
+  receive);
 * each transfer starts then finishes once with the same peer/buffer/shapes/dtype; a send
   follows its producing compute; peers hold the neighbouring stage;
 * buffers: written (by a Start) only when free, read only while live, freed exactly once per
-  lifetime after its transfer finished (received activations after the stage's Backward);
+  lifetime after its transfer finished (received activations after the stage's Backward, or
+  its Forward in a forward-only plan);
 * per directed pair, the k-th send on src matches the k-th receive on dst (same mb, kind,
   neighbouring stages, shapes, dtype) — in-order point-to-point matching;
 * no deadlock: a rendezvous simulation (each rank in order; a Finish waits until the peer has
@@ -75,7 +77,7 @@ class _RankState:
 
 
 def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: int,
-                data_stages: set[int]) -> _RankState:
+                data_stages: set[int], forward_only: bool = False) -> _RankState:
     """Single pass over one rank's instructions: compute order, transfers and buffers."""
     r = plan.pp_rank
     s2r = plan.stage_to_rank
@@ -127,6 +129,8 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
                                          "RecvActivation with a live buffer)")
                 forward_done.add((mb, s))
             else:
+                if forward_only:
+                    _fail(r, i, ins, "Backward in a forward-only plan")
                 if (mb, s) not in forward_done:
                     _fail(r, i, ins, "Backward before its Forward")
                 if (mb, s) in backward_done:
@@ -154,14 +158,18 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
             if not entry[1]:
                 _fail(r, i, ins, f"buffer {buf} freed before its transfer finished")
             is_send, is_act, tmb, tstage = owner
-            if not is_send and (tmb, tstage) not in backward_done:
-                _fail(r, i, ins, f"received buffer {buf} freed before Backward(mb={tmb}, "
+            user, used = (("Forward", forward_done) if forward_only
+                          else ("Backward", backward_done))
+            if not is_send and (tmb, tstage) not in used:
+                _fail(r, i, ins, f"received buffer {buf} freed before {user}(mb={tmb}, "
                                  f"stage={tstage}) used it")
             if ins.mb != tmb:
                 _fail(r, i, ins, f"buffer {buf} belongs to micro-batch {tmb}")
             del live[buf]
         elif kind in _TRANSFER:
             is_send, is_act, is_start = _TRANSFER[kind]
+            if forward_only and not is_act:
+                _fail(r, i, ins, "gradient transfer in a forward-only plan")
             s, peer, buf = ins.stage, ins.peer, ins.buffer
             if not isinstance(s, int) or not 0 <= s < num_stages or s2r[s] != r:
                 _fail(r, i, ins, f"stage {s!r} is not held by rank {r}")
@@ -218,11 +226,13 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
         state.starts.append(start)
 
     n = len(plan.instructions)
+    required = [(forward_done, "Forward")] + ([] if forward_only
+                                              else [(backward_done, "Backward")])
     for s in range(num_stages):
         if s2r[s] != r:
             continue
         for mb in range(num_mbs):
-            for done, what in ((forward_done, "Forward"), (backward_done, "Backward")):
+            for done, what in required:
                 if (mb, s) not in done:
                     _fail(r, n, "end of plan", f"{what}(mb={mb}, stage={s}) is missing")
     for key, entry in transfers.items():
@@ -303,9 +313,11 @@ def _simulate(plans: Sequence[ExecutionPlan], states: Sequence[_RankState]) -> N
     raise PlanError("deadlock under in-order point-to-point matching: " + "; ".join(lines))
 
 
-def check_plans(plans: Sequence[ExecutionPlan], spec: ModelSpec | None = None) -> None:
+def check_plans(plans: Sequence[ExecutionPlan], spec: ModelSpec | None = None,
+                forward_only: bool = False) -> None:
     """Raise PlanError unless `plans` (one per pipeline rank, in rank order) are well formed.
-    With `spec`, transfer shapes are also checked against the model's stage cut."""
+    With `spec`, transfer shapes are also checked against the model's stage cut.
+    `forward_only`: evaluation plans (schedule_ir.forward_only), which must hold no backward."""
     _check_headers(plans)
     num_stages = len(plans[0].stage_to_rank)
     if spec is not None:
@@ -314,6 +326,7 @@ def check_plans(plans: Sequence[ExecutionPlan], spec: ModelSpec | None = None) -
     else:
         stage_layers, hidden = None, 0
         data_stages = {0, num_stages - 1}
-    states = [_check_rank(plan, len(plans), stage_layers, hidden, data_stages) for plan in plans]
+    states = [_check_rank(plan, len(plans), stage_layers, hidden, data_stages, forward_only)
+              for plan in plans]
     _match_pairs(plans, states)
     _simulate(plans, states)

@@ -76,10 +76,30 @@ def stages_of_rank(stage_to_rank: tuple[int, ...], rank: int) -> tuple[int, ...]
     return tuple(s for s, r in enumerate(stage_to_rank) if r == rank)
 
 
+def is_forward_only(schedule: Schedule) -> bool:
+    """Whether `schedule` has no backward at all (evaluation: forwards only, see forward_only)."""
+    return all(act.kind != BACKWARD for actions in schedule.rank_actions for act in actions)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards in the same per-rank order, without backwards: what evaluation
+    runs. Every forward depends only on forwards, so any order that ran with the backwards
+    runs without them."""
+    return Schedule(f"{schedule.name}-fwd", schedule.stage_to_rank,
+                    tuple(tuple(a for a in acts if a.kind == FORWARD)
+                          for acts in schedule.rank_actions),
+                    schedule.num_micro_batches)
+
+
+def _kinds(schedule: Schedule) -> tuple[str, ...]:
+    """The action kinds every (stage, mb) must have: F and B, or F alone when forward-only."""
+    return (FORWARD,) if is_forward_only(schedule) else (FORWARD, BACKWARD)
+
+
 def _looks_complete(schedule: Schedule) -> bool:
     """Fast path of validate_schedule: set operations only, no per-action Python loop."""
     num_stages, num_mb = schedule.num_stages, schedule.num_micro_batches
-    expected = 2 * num_stages * num_mb
+    expected = len(_kinds(schedule)) * num_stages * num_mb
     if expected == 0 or sum(map(len, schedule.rank_actions)) != expected:
         return False
     for rank, actions in enumerate(schedule.rank_actions):
@@ -94,7 +114,8 @@ def _looks_complete(schedule: Schedule) -> bool:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise ScheduleError unless every (stage, F/B, mb) occurs exactly once, on the rank that
-    holds its stage. Says which action is wrong, where, or which one is missing."""
+    holds its stage (F alone in a forward-only schedule, one without any backward). Says which
+    action is wrong, where, or which one is missing."""
     num_stages, num_mb = schedule.num_stages, schedule.num_micro_batches
     if _looks_complete(schedule):
         return
@@ -121,10 +142,11 @@ def validate_schedule(schedule: Schedule) -> None:
             if act in seen:
                 raise ScheduleError(f"{where}: appears more than once")
             seen.add(act)
-    expected = 2 * num_stages * num_mb
+    kinds = _kinds(schedule)
+    expected = len(kinds) * num_stages * num_mb
     if len(seen) != expected:
         missing = next(Action(s, k, m) for m in range(num_mb) for s in range(num_stages)
-                       for k in (FORWARD, BACKWARD) if Action(s, k, m) not in seen)
+                       for k in kinds if Action(s, k, m) not in seen)
         owner = schedule.stage_to_rank[missing.stage]
         raise ScheduleError(f"schedule {schedule.name!r}: {expected - len(seen)} action(s) "
                             f"missing, first {missing} (rank {owner})")

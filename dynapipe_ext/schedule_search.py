@@ -22,7 +22,7 @@ import numpy as np
 from .cost_model import CostModel
 from .microbatch import MicroBatch
 from .model_spec import ModelSpec, stage_output_shapes
-from .schedule_ir import Schedule, ScheduleError
+from .schedule_ir import Schedule, ScheduleError, forward_only
 from .schedules import (MemoryLimitError, adaptive_search, interleaved_one_f_one_b, one_f_one_b,
                         wave_search)
 from .simulator import CommModel, PipelineCosts, SimResult, simulate
@@ -104,6 +104,22 @@ def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
             except (ValueError, ScheduleError) as err:   # MemoryLimitError included
                 found.append(Candidate(label, None, None, str(err)))
     return found
+
+
+def forward_only_candidates(found: Sequence[Candidate], costs: CostSource,
+                            comm: CommModel | None = None) -> list[Candidate]:
+    """The candidates as evaluation runs them: backwards dropped (schedule_ir.forward_only) and
+    simulated again, so makespan and peak memory are those of forwards alone (no activation
+    kept past its forward)."""
+    out = []
+    for c in found:
+        if c.schedule is None:
+            out.append(c)
+            continue
+        schedule = forward_only(c.schedule)
+        stage_costs = costs_for(costs, schedule.num_stages)
+        out.append(Candidate(c.name, schedule, simulate(schedule, stage_costs, comm)))
+    return out
 
 
 def best_candidate(found: Sequence[Candidate], memory_limit: float) -> Candidate:

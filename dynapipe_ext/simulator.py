@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .schedule_ir import FORWARD, Action, Schedule, ScheduleError, validate_schedule
+from .schedule_ir import (FORWARD, Action, Schedule, ScheduleError, is_forward_only,
+                          validate_schedule)
 
 
 @dataclass(frozen=True)
@@ -142,16 +143,19 @@ class SimResult:
 
 def peak_memory(schedule: Schedule, costs: PipelineCosts) -> list[float]:
     """Peak bytes per rank. It depends only on each rank's order: during F of (m, s) the rank
-    holds what it kept so far + act[m, s] + peak[m, s]; during B, kept + peak[m, s]."""
+    holds what it kept so far + act[m, s] + peak[m, s]; during B, kept + peak[m, s]. In a
+    forward-only schedule (evaluation) a forward keeps nothing once it is done."""
     act, peak = costs.act_bytes.tolist(), costs.peak_bytes.tolist()
+    keeps = not is_forward_only(schedule)
     result = []
     for actions in schedule.rank_actions:
         kept = top = 0.0
         for stage, kind, mb in actions:
             a = act[mb][stage]
             if kind == FORWARD:
-                kept += a
-                top = max(top, kept + peak[mb][stage])
+                top = max(top, kept + a + peak[mb][stage])
+                if keeps:
+                    kept += a
             else:
                 top = max(top, kept + peak[mb][stage])
                 kept -= a

@@ -11,6 +11,7 @@ from typing import Sequence
 from dynapipe_ext.iteration_planner import REPLICA_SPLITS
 from dynapipe_ext.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
+from megatron.data.split import parse_split
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
@@ -93,6 +94,11 @@ class TrainConfig:
     attention_dropout: float = 0.1
     lr_wsd_decay_style: str = "exponential"     # WSD's annealing phase (Megatron's default)
     lr_wsd_decay_iters: int = 0                 # its length in iterations; WSD needs > 0
+    # validation (megatron/training/evaluation.py)
+    eval_interval: int = 0                      # iterations between evaluations; 0 = none
+    eval_iters: int = 100                       # validation global batches per evaluation
+    valid_data_path: tuple | None = None        # validation prefixes, --data-path syntax
+    split: str | None = None                    # Megatron's "969,30,1" of --data-path
     # device figures for planning (None: from the device; megatron/training/device_costs.py)
     device_flops: float | None = None
     device_memory_gb: float | None = None
@@ -224,6 +230,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--mixing-cap must be >= 1, got {cfg.mixing_cap}")
     need(cfg.mixing_temperature > 0,
          f"--mixing-temperature must be > 0, got {cfg.mixing_temperature}")
+    problems.extend(validation_problems(cfg))
     need(cfg.tensorboard_dir is None or importlib.util.find_spec("tensorboard") is not None,
          f"--tensorboard-dir {cfg.tensorboard_dir}: the tensorboard package is not installed "
          f"(requirements.txt leaves it out); install it with `pip install tensorboard` in "
@@ -245,6 +252,37 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         need(value is None or value >= 0, f"--{flag(name)} must be >= 0, got {value}")
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
+    return problems
+
+
+def validation_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with the validation flags (empty when fine)."""
+    problems = []
+    if cfg.eval_interval < 0:
+        problems.append(f"--eval-interval must be >= 0 (0 = no validation), got "
+                        f"{cfg.eval_interval}")
+    if cfg.eval_iters < 1:
+        problems.append(f"--eval-iters must be > 0, got {cfg.eval_iters}")
+    if cfg.valid_data_path and cfg.split:
+        problems.append("give --valid-data-path or --split, not both")
+    if cfg.valid_data_path:
+        try:
+            parse_data_path(cfg.valid_data_path)
+        except ValueError as exc:
+            problems.append(f"--valid-data-path: {exc}")
+    shares = None
+    if cfg.split:
+        try:
+            shares = parse_split(cfg.split)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if cfg.eval_interval > 0 and not cfg.valid_data_path:
+        if not cfg.split:
+            problems.append("--eval-interval needs validation data: --valid-data-path PREFIX, "
+                            "or --split 969,30,1 to hold out a share of --data-path")
+        elif shares is not None and shares[1] == 0:
+            problems.append(f"--split {cfg.split} holds out no validation samples (the second "
+                            f"number is 0) but --eval-interval asks for validation")
     return problems
 
 
@@ -422,6 +460,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--mixing-temperature", type=float, default=1.0,
                    help="rates proportional to min(n, cap) ** (1 / T); T > 1 flattens the "
                         "mixture towards small tasks (default 1)")
+    g.add_argument("--split", default=None,
+                   help="Megatron's train,validation,test shares of --data-path, e.g. "
+                        "969,30,1: Megatron's part sizes, each part spread over the tasks "
+                        "(seeded; no sample in two parts); training draws from the first. "
+                        "Default: train on every sample")
+    g.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="validation data, the same syntax as --data-path (instead of --split)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -448,6 +493,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true",
                    help="on --load, do not restore RNG states (reseed from --seed)")
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=0,
+                   help="evaluate on the validation data every N iterations and after the "
+                        "last one (0: never, the default)")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="validation global batches per evaluation (the same batches each "
+                        "time, so evaluations compare)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write TensorBoard scalars here (needs `pip install tensorboard`, "
                         "which requirements.txt leaves out)")
@@ -538,6 +589,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         lr_wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        valid_data_path=tuple(args.valid_data_path) if args.valid_data_path else None,
+        split=args.split,
         device_flops=args.device_flops,
         device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
         p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us)

@@ -19,6 +19,11 @@ State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
   watchdog catch a dead peer (a timed wait would block the host on NCCL), and the failure
   becomes a TransferError naming the peer. A send's tensors are released as
   soon as its Finish returns; a receive buffer is released by FreeBuffer.
+Forward-only plans (evaluation, `reset(..., forward_only=True)`): every Forward runs under
+torch.no_grad and keeps nothing for a backward (an output lives until it is sent or the next
+local stage takes it); the HEAD stage keeps each micro-batch's masked per-token losses in
+`token_losses[mb]` (with the mask) for per-sample and per-task sums
+(megatron/training/evaluation.py).
 Parameter gradients accumulate in fp32 `main_grad`s (grad_buffer.GradBuffer) over micro-batches;
 Backward tells the buffer when a stage's last backward runs, so buckets are summed over the
 data-parallel group while it runs; all_reduce_data_parallel_grads waits for the rest, giving the
@@ -90,9 +95,10 @@ class PipelineRuntime:
         self.reset(batch_provider, global_loss_tokens)
 
     def reset(self, batch_provider: BatchProvider, global_loss_tokens: int,
-              order: Sequence[int] = ()) -> None:
+              order: Sequence[int] = (), forward_only: bool = False) -> None:
         """Start a new iteration: forget all state, set the data and the loss denominator, and
-        start building the tensors of micro-batches `order` (micro_batch_order of the plan)."""
+        start building the tensors of micro-batches `order` (micro_batch_order of the plan).
+        `forward_only`: the plan is an evaluation plan (see the module docstring)."""
         if global_loss_tokens <= 0:
             raise ValueError(f"the global batch has {global_loss_tokens} loss tokens; "
                              "the token-weighted loss needs at least one")
@@ -113,6 +119,8 @@ class PipelineRuntime:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batches_done = 0
+        self.forward_only = forward_only
+        self.token_losses: dict[int, tuple] = {}   # forward-only HEAD: mb -> (loss*mask, mask)
 
     # ---- helpers ----
     def _fail(self, instr, why: str, error=PlanMismatchError):
@@ -163,26 +171,42 @@ class PipelineRuntime:
         self._batch(instr.mb)
 
     def forward(self, instr: Forward) -> None:
+        if self.forward_only:
+            with torch.no_grad():
+                self._forward(instr)
+        else:
+            self._forward(instr)
+
+    def _forward(self, instr: Forward) -> None:
         key = (instr.mb, instr.stage)
         stage = self._stage(instr)
         batch = self._batch(instr.mb)
+        grad = not self.forward_only
+        previous = (instr.mb, instr.stage - 1)
         if stage.has_embedding:
             inputs = ()
         elif key in self.received_activations:
-            inputs = tuple(t.requires_grad_() for t in self.received_activations.pop(key))
-        elif (instr.mb, instr.stage - 1) in self.outputs and instr.stage - 1 in self.stages:
-            inputs = tuple(t.detach().requires_grad_()
-                           for t in self.outputs[(instr.mb, instr.stage - 1)])
+            inputs = tuple(t.requires_grad_(grad) for t in self.received_activations.pop(key))
+        elif previous in self.outputs and instr.stage - 1 in self.stages:
+            local = self.outputs.pop(previous) if self.forward_only else self.outputs[previous]
+            inputs = tuple(t.detach().requires_grad_(grad) for t in local)
         else:
             self._fail(instr, "no input: nothing received and no local output of stage "
                               f"{instr.stage - 1}")
-        out = run_stage_forward(stage, inputs, batch, instr.recompute)
+        out = run_stage_forward(stage, inputs, batch, instr.recompute if grad else "none")
         if stage.has_head:
             mask = batch["loss_mask"]
-            weighted = (out.float() * mask).sum()
+            token_losses = out.float() * mask
+            weighted = token_losses.sum()
             self.loss_sum += weighted.detach().double()
             self.loss_tokens += mask.sum().double()
+            if self.forward_only:
+                self.token_losses[instr.mb] = (token_losses, mask)
+                return
             out = (weighted / self.global_loss_tokens,)
+        if self.forward_only:
+            self.outputs[key] = out     # until it is sent or the next local stage takes it
+            return
         self.inputs[key], self.outputs[key] = inputs, out
 
     def backward(self, instr: Backward) -> None:
@@ -232,7 +256,7 @@ class PipelineRuntime:
         if isinstance(instr, SendActivationStart):
             if key not in self.outputs:
                 self._fail(instr, "no forward output to send")
-            tensors = self.outputs[key]
+            tensors = self.outputs.pop(key) if self.forward_only else self.outputs[key]
         else:
             if key not in self.input_grads:
                 self._fail(instr, "no input gradient to send")

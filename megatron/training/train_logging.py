@@ -1,9 +1,12 @@
 """What a run reports each iteration: loss, real tokens/s, padding efficiency, micro-batch
 shapes, time spent waiting for plans and peak memory; a progress line on stdout and, when
-TensorBoard's backend is importable, the same numbers as scalars."""
+TensorBoard's backend is importable, the same numbers as scalars. Validation results
+(megatron/training/evaluation.py) get their own line, their own stats-file records (a JSON line
+{"iteration": N, "validation": {...}}) and TensorBoard's validation/ scalars."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -35,6 +38,48 @@ class IterationStats:
     @property
     def padding_efficiency(self) -> float:
         return self.real_tokens / self.token_slots if self.token_slots else 1.0
+
+
+@dataclass(frozen=True)
+class ValidationStats:
+    iteration: int           # completed training iterations when it ran
+    loss: float              # token-weighted over all validation batches
+    loss_tokens: int
+    samples: int
+    batches: int
+    tasks: dict              # task name -> (loss, loss tokens), most tokens first
+    families: dict           # task family (task source) -> (loss, loss tokens)
+    eval_s: float            # wall time of this evaluation (planning included)
+    plan_s: float            # of which planning the validation batches (first time only)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(20.0, self.loss))     # Megatron caps the exponent at 20
+
+    def record(self) -> dict:
+        """The stats-file record: {"iteration": N, "validation": {...}}."""
+        def table(losses: dict) -> dict:
+            return {name: {"loss": loss, "tokens": tokens}
+                    for name, (loss, tokens) in losses.items()}
+        body = dict(asdict(self), ppl=self.ppl, tasks=table(self.tasks),
+                    families=table(self.families))
+        return {"iteration": body.pop("iteration"), "validation": body}
+
+
+def validation_line(v: ValidationStats, top: int = 5) -> str:
+    """Overall validation loss, then the `top` tasks (and families) with the most tokens."""
+    def listing(losses: dict) -> str:
+        shown = [f"{name} {loss:.4f} ({tokens:,})" for name, (loss, tokens)
+                 in list(losses.items())[:top]]
+        more = len(losses) - top
+        return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
+    line = (f"[valid] iteration {v.iteration} | loss {v.loss:.4f} | ppl {v.ppl:.2f} | "
+            f"{v.loss_tokens:,} loss tokens in {v.samples} samples ({v.batches} batches) | "
+            f"eval {v.eval_s:.2f}s" + (f" (planning {v.plan_s:.2f}s)" if v.plan_s else "") +
+            f" | top tasks by tokens: {listing(v.tasks)}")
+    if v.families:
+        line += f" | families: {listing(v.families)}"
+    return line
 
 
 def shapes_summary(micro_batches) -> str:
@@ -107,6 +152,7 @@ class TrainLogger:
             os.makedirs(os.path.dirname(os.path.abspath(self.stats_file)), exist_ok=True)
         self.writer = open_tensorboard(tensorboard_dir) if enabled else None
         self.history: list[IterationStats] = []
+        self.validation: list[ValidationStats] = []
 
     def log(self, stats: IterationStats) -> None:
         self.history.append(stats)
@@ -130,8 +176,29 @@ class TrainLogger:
                                 ("peak_memory_mib", stats.peak_memory_bytes / 2**20)):
                 self.writer.add_scalar(f"train/{name}", value, stats.iteration)
 
+    def log_validation(self, v: ValidationStats) -> None:
+        """Validation line, stats-file record and TensorBoard scalars (rank 0)."""
+        self.validation.append(v)
+        if not self.enabled:
+            return
+        print(validation_line(v), file=self.stream, flush=True)
+        if self.stats_file:
+            with open(self.stats_file, "a") as f:
+                f.write(json.dumps(v.record()) + "\n")
+        if self.writer is not None:
+            for name, value in (("loss", v.loss), ("ppl", v.ppl), ("eval_s", v.eval_s)):
+                self.writer.add_scalar(f"validation/{name}", value, v.iteration)
+            for group, losses in (("tasks", v.tasks), ("families", v.families)):
+                for name, (loss, _) in losses.items():
+                    self.writer.add_scalar(f"validation/{group}/{name}", loss, v.iteration)
+
     def close(self) -> None:
         if self.enabled and self.history:
             print(run_summary(self.history), file=self.stream, flush=True)
+        if self.enabled and self.validation:
+            seconds = sum(v.eval_s for v in self.validation)
+            print(f"[valid] {len(self.validation)} evaluations took {seconds:.2f}s, kept out of "
+                  f"the training tokens/s; last loss {self.validation[-1].loss:.4f}",
+                  file=self.stream, flush=True)
         if self.writer is not None:
             self.writer.close()

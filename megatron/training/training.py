@@ -5,7 +5,8 @@ the tokenizer and model (every rank, before any collective, so a bad file is the
 everywhere), start the process groups, build this rank's stages and optimizer, resume from a
 checkpoint, start planning ahead (unless the checkpoint has nothing left to train). `train(run)`
 is the loop: per iteration fetch this rank's plan, build its micro-batch tensors, run the
-executor, all-reduce gradients over data parallel, clip, step, log and save.
+executor, all-reduce gradients over data parallel, clip, step, log, validate (--eval-interval,
+megatron/training/evaluation.py) and save.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler
+from megatron.data.split import PARTS, parse_split, split_indices
 from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
@@ -36,6 +38,7 @@ from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
+from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers,
                                         micro_batch_order)
@@ -69,19 +72,26 @@ class TrainingData:
     seq_length: int
     decoder_seq_length: int
     vocab_size: int              # tokenizer vocabulary (before padding)
+    indices: np.ndarray | None = None   # the samples the sampler draws from (--split); all
+    held_out: dict | None = None        # --split: samples per part ("train", "valid", "test")
 
     @property
     def pad_id(self) -> int:
         return self.dataset.pad
 
+    def sample_ids(self, iteration: int) -> np.ndarray:
+        """Dataset indices of global batch `iteration`'s samples, in batch order."""
+        ids = self.sampler.batch(iteration)
+        return ids if self.indices is None else self.indices[ids]
+
     def batch_lengths(self, iteration: int) -> np.ndarray:
         """Lengths of global batch `iteration`'s samples, in batch order (the planner's input)."""
-        return self.lengths[self.sampler.batch(iteration)]
+        return self.lengths[self.sample_ids(iteration)]
 
     def batch_samples(self, iteration: int) -> dict[int, tuple]:
         """Batch position -> the arrays build_micro_batch reads (GPT: tokens, labels,
         loss_mask; T5: encoder ids, decoder ids, labels, loss_mask)."""
-        ids = self.sampler.batch(iteration)
+        ids = self.sample_ids(iteration)
         if self.model == "gpt":
             views = (self.dataset.gpt_sample(int(i), self.seq_length) for i in ids)
             return {k: (s.tokens, s.labels, s.loss_mask) for k, s in enumerate(views)}
@@ -102,10 +112,15 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
-    """Open the dataset and check it against the tokenizer; no collective is involved."""
-    where = f"rank {rank}: --data-path {' '.join(cfg.data_path)}"
-    blend = parse_data_path(cfg.data_path)
+def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> TrainingData:
+    """Open the dataset and check it against the tokenizer; no collective is involved.
+    `part` "valid" opens the validation data: --valid-data-path, or the held-out share of
+    --data-path under --split (whose "train" share is what training draws from)."""
+    own_path = part == "valid" and cfg.valid_data_path
+    data_path = cfg.valid_data_path if own_path else cfg.data_path
+    where = f"rank {rank}: {'--valid-data-path' if own_path else '--data-path'} " \
+            f"{' '.join(data_path)}"
+    blend = parse_data_path(data_path)
     try:
         if len(blend) == 1 and blend[0][0] is None:
             dataset = MultiTaskDataset(blend[0][1])
@@ -133,26 +148,42 @@ def open_training_data(cfg: TrainConfig, rank: int = 0) -> TrainingData:
         lengths = dataset.t5_lengths(cfg.seq_length, cfg.decoder_seq_length)
     else:
         lengths = dataset.gpt_lengths(cfg.seq_length)
+    indices = held_out = None
+    if cfg.split and not own_path:
+        groups = getattr(dataset, "stream_ids", dataset.task_ids)
+        parts = split_indices(groups, parse_split(cfg.split), cfg.seed)
+        indices = parts[PARTS.index(part)]
+        held_out = {name: len(p) for name, p in zip(PARTS, parts)}
+        if len(indices) == 0:
+            raise RunSetupError(f"{where}: --split {cfg.split} leaves no {part} samples of "
+                                f"{len(dataset)}")
     try:
-        sampler = batch_sampler(cfg, dataset, lengths, [w for w, _ in blend])
+        sampler = batch_sampler(cfg, dataset, lengths, [w for w, _ in blend], indices)
     except ValueError as exc:   # e.g. a sample longer than the batch budget
         raise RunSetupError(f"{where}: {exc}") from exc
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
-                        cfg.decoder_seq_length, tokenizer.vocab_size)
+                        cfg.decoder_seq_length, tokenizer.vocab_size, indices, held_out)
 
 
 def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarray,
-                  weights: list) -> GlobalBatchSampler:
-    """Global batches over one dataset's tasks, or over a blend's (prefix, task) streams."""
+                  weights: list, indices: np.ndarray | None = None) -> GlobalBatchSampler:
+    """Global batches over one dataset's tasks, or over a blend's (prefix, task) streams;
+    `indices` (--split) limits them to those samples (the sampler numbers them 0..)."""
     common = dict(seed=cfg.seed, max_samples_per_batch=cfg.global_batch_size or None,
                   settings=sampler_settings(cfg))
+    subset = (lambda values: values) if indices is None else (lambda values: values[indices])
     if not isinstance(dataset, BlendedMultiTaskDataset):
-        return GlobalBatchSampler(lengths, dataset.task_ids, cfg.tokens_per_global_batch,
+        return GlobalBatchSampler(subset(lengths), subset(dataset.task_ids),
+                                  cfg.tokens_per_global_batch,
                                   mixing_cap=cfg.mixing_cap, temperature=cfg.mixing_temperature,
                                   task_names=dataset.task_names, **common)
     names = [f"{name} ({part.prefix})" for part in dataset.parts for name in part.task_names]
     rates = stream_rates(dataset, weights, cfg.mixing_cap, cfg.mixing_temperature)
-    return GlobalBatchSampler(lengths, dataset.stream_ids, cfg.tokens_per_global_batch,
+    if indices is not None:     # a stream whose few samples were all held out is not drawn
+        kept = np.bincount(subset(dataset.stream_ids), minlength=len(rates))
+        rates = np.where(kept > 0, rates, 0.0)
+    return GlobalBatchSampler(subset(lengths), subset(dataset.stream_ids),
+                              cfg.tokens_per_global_batch,
                               task_names=names, rates=rates, **common)
 
 
@@ -284,6 +315,7 @@ class TrainingRun:
     plans: PlanDelivery | None     # None when the checkpoint has nothing left to train
     logger: TrainLogger
     start_iteration: int
+    evaluator: Evaluator | None = None     # --eval-interval: validation between iterations
 
     @property
     def modules(self) -> list:
@@ -304,6 +336,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_device_precision(cfg, use_cuda())
     data = open_training_data(cfg, rank)
+    valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None
     spec = model_spec(cfg, data.vocab_size)
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
@@ -339,6 +372,11 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                   f"nothing left to train", flush=True)
         else:
             describe_run(cfg, data, spec, layout, start)
+            if valid is not None:
+                print(Evaluator.describe(cfg, valid), flush=True)
+            elif data.held_out:
+                print(f"[train] {held_out_summary(cfg.split, data.held_out)}; training draws "
+                      f"only from the train part", flush=True)
     plans = None   # a finished run starts neither planners nor plan delivery
     if not finished:
         plans = start_plan_delivery(plan_cfg, data.batch_lengths, layout.rank,
@@ -348,8 +386,12 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                                     timeout_s=cfg.distributed_timeout_minutes * 60,
                                     report=functools.partial(print, flush=True)
                                     if verbose else None)
+    evaluator = None
+    if valid is not None and not finished:
+        evaluator = Evaluator(valid, dataclasses.replace(plan_cfg, forward_only=True),
+                              cfg.eval_interval, cfg.eval_iters, cfg.train_iters)
     return TrainingRun(cfg, data, layout, spec, stage_to_rank, stages, optimizer, handlers,
-                       Executor(handlers), plans, logger, start)
+                       Executor(handlers), plans, logger, start, evaluator)
 
 
 def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -> int:
@@ -464,6 +506,17 @@ def save(run: TrainingRun, iterations_done: int) -> None:
               flush=True)
 
 
+def evaluate_or_fail(run: TrainingRun, iterations_done: int):
+    """Validation after `iterations_done` iterations (ValidationStats), or TrainingFailed."""
+    try:
+        return run.evaluator.evaluate(run, iterations_done)
+    except Exception as err:
+        raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
+                             f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): validation after "
+                             f"iteration {iterations_done} failed: {type(err).__name__}: "
+                             f"{err}") from err
+
+
 def train(run: TrainingRun) -> list[IterationStats]:
     """The training loop; returns the per-iteration stats (identical on every rank)."""
     cfg = run.cfg
@@ -477,6 +530,8 @@ def train(run: TrainingRun) -> list[IterationStats]:
                                      f"{iteration} failed: {type(err).__name__}: {err}") from err
             run.logger.log(stats)
             done = iteration + 1
+            if run.evaluator is not None and run.evaluator.due(done):
+                run.logger.log_validation(evaluate_or_fail(run, done))
             if cfg.save and (done == cfg.train_iters or
                              (cfg.save_interval and done % cfg.save_interval == 0)):
                 save(run, done)
