@@ -197,6 +197,7 @@ def sampler_settings(cfg: TrainConfig) -> dict:
             "--tokens-per-global-batch": (None if cfg.global_batch_size
                                           else cfg.tokens_per_global_batch),
             "--mixing-cap": cfg.mixing_cap, "--mixing-temperature": cfg.mixing_temperature,
+            "--split": cfg.split,     # which samples training draws from
             # shares, so "3 A 7 B" resumes a run of "0.3 A 0.7 B"
             "--data-path weights": (None if weights[0] is None
                                     else [w / sum(weights) for w in weights])}
