@@ -174,7 +174,8 @@ def device_name(device: torch.device) -> str:
                     break
     except OSError:
         pass
-    return f"{name}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{name}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def device_memory_bytes(device: torch.device) -> int:
