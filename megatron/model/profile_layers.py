@@ -435,3 +435,25 @@ def profile_model(spec: ModelSpec, config: TransformerConfig, modes, axis_points
             tables[kind][mode] = LayerTable(axes, tuple(np.asarray(v, dtype=np.float64)
                                                         for v in values), arrays)
     return tables, param_count, param_bytes
+
+
+# ------------------------------------------------------------------ a whole micro-batch
+
+def time_stage(stage: torch.nn.Module, batch: dict, repeats: int, device: torch.device,
+               recompute: str = "none") -> tuple[float, float]:
+    """Forward + backward of one micro-batch through a stage that holds the whole model
+    (embedding to loss), after a warm-up: (least wall ms, least process CPU ms) over `repeats`.
+    CPU time is steadier than wall time on a shared machine (with one torch thread it is the
+    compute time); on GPU only the wall time means anything."""
+    walls, cpus = [], []
+    for i in range(repeats + 1):
+        _sync(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        losses = run_stage_forward(stage, (), batch, recompute)
+        losses.sum().backward()
+        _sync(device)
+        if i:                              # the first run warms up
+            walls.append((time.perf_counter() - wall) * 1e3)
+            cpus.append((time.process_time() - cpu) * 1e3)
+        stage.zero_grad(set_to_none=True)
+    return min(walls), min(cpus)
