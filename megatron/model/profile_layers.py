@@ -190,7 +190,7 @@ def profile_meta(device: torch.device, repeats: int, seconds: float, **extra) ->
     """What a profile records about how it was made (free-form `meta` of CostProfile)."""
     return {"device_memory_bytes": device_memory_bytes(device),
             "threads": torch.get_num_threads(), "repeats": repeats,
-            "peak_method": peak_method(device),
+            "peak_method": peak_method(device), "timer": timer_name(device),
             "recompute_backend": "torch.utils.checkpoint (run_stage_forward)",
             "seconds": round(seconds, 1), "torch": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
@@ -282,6 +282,19 @@ class LayerMeasurement:
     forward_allocated_bytes: int   # allocator's view of bytes left after forward (cross-check)
 
 
+def timer(device: torch.device):
+    """The clock layer times are read with: on a CPU computing with one torch thread the
+    process's CPU time (its compute time, which other processes on a shared machine do not
+    inflate), else wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def timer_name(device: torch.device) -> str:
+    return "process CPU time" if timer(device) is time.process_time else "wall time"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -291,18 +304,19 @@ def _fwd_bwd(layer: ProfiledLayer, data: LayerInputs, recompute: str, gen, devic
              after_forward=None) -> tuple[float, float]:
     """One forward and backward; (forward ms, backward ms). `after_forward(out)` runs between
     them, outside both timings."""
-    start = time.perf_counter()
+    clock = timer(device)
+    start = clock()
     out = run_stage_forward(layer, data.inputs, data.batch, recompute)
     _sync(device)
-    fwd_ms = (time.perf_counter() - start) * 1e3
+    fwd_ms = (clock() - start) * 1e3
     if after_forward is not None:
         after_forward(out)
     outs, grads = _outputs_and_grads(out, gen)
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     torch.autograd.backward(outs, grads)
     _sync(device)
-    return fwd_ms, (time.perf_counter() - start) * 1e3
+    return fwd_ms, (clock() - start) * 1e3
 
 
 def _clear_input_grads(data: LayerInputs) -> None:
