@@ -14,7 +14,8 @@ during forward + backward above what was allocated before, minus the kept activa
 other than transformer layers are profiled once (mode "none") and serve every mode, as
 megatron-core's recompute only ever covers transformer layers.
 
-Between grid points values are multi-linear in the axes; a shape above the grid (or below it,
+Between grid points bytes are multi-linear in the axes and times power laws (see
+LayerTable.interpolate); a shape above the grid (or below it,
 unless `below_grid="bound"`) is infeasible (None), never an extrapolation -- except more rows
 than the grid's largest under `rows_above_grid="scale"`: rows are independent samples, so kept
 bytes grow exactly in proportion to them and time at most so (a device never gets slower per
@@ -43,6 +44,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 TRANSFORMER_KINDS = (GPT_LAYER, ENC_LAYER, DEC_LAYER)
 AXES = ("rows", "seq_len", "dec_seq_len")
 FIELDS = ("fwd_ms", "bwd_ms", "activation_bytes", "shared_bytes", "peak_bytes")
+TIME_FIELDS = ("fwd_ms", "bwd_ms")
 # Model-state bytes per parameter with Adam: fp32 training = param 4 + grad 4 + m 4 + v 4 = 16;
 # bf16/fp16 mixed precision = half param 2 + fp32 main grad 4 + fp32 master param 4 + m 4 + v 4.
 STATE_BYTES_PER_PARAM = {"float32": 16, "bfloat16": 18, "float16": 18}
@@ -138,13 +140,16 @@ class LayerTable:
             raise ProfileError(f"layer table is missing {err}") from None
 
     def interpolate(self, query: dict, below_grid: str = "infeasible"):
-        """Multi-linear interpolation at `query` (axis name -> array of values, broadcast
-        together). Returns ({field: array}, feasible bool array). Above the grid is
-        infeasible; below it is infeasible or, with below_grid="bound", takes the grid's
-        smallest point (costs never decrease with shape, so that is an upper bound)."""
+        """Interpolation at `query` (axis name -> array of values, broadcast together).
+        Returns ({field: array}, feasible bool array). Times are interpolated as power laws
+        between grid points (multi-linear in log value over log axis), which is exact for a
+        term in s^k and keeps the quadratic attention of a coarse (x4) length grid from being
+        overestimated by up to a half; bytes (linear in every axis) multi-linearly. Above the
+        grid is infeasible; below it is infeasible or, with below_grid="bound", takes the
+        grid's smallest point (costs never decrease with shape, so that is an upper bound)."""
         qs = np.broadcast_arrays(*[np.asarray(query[a], dtype=np.float64) for a in self.axes])
         feasible = np.ones(qs[0].shape, dtype=bool)
-        lows, fracs = [], []
+        lows, fracs, log_fracs = [], [], []
         for q, pts in zip(qs, self.points):
             feasible &= q <= pts[-1]
             if below_grid == "bound":
@@ -155,17 +160,29 @@ class LayerTable:
                 feasible &= (q == pts[0]) if below_grid != "bound" else (q <= pts[0])
                 lows.append(np.zeros(q.shape, dtype=np.int64))
                 fracs.append(np.zeros(q.shape))
+                log_fracs.append(np.zeros(q.shape))
                 continue
             lo = np.clip(np.searchsorted(pts, q, side="right") - 1, 0, len(pts) - 2)
             frac = np.clip((q - pts[lo]) / (pts[lo + 1] - pts[lo]), 0.0, 1.0)
             lows.append(lo)
             fracs.append(frac)
-        out = {name: np.zeros(qs[0].shape) for name in FIELDS}
+            if pts[0] > 0:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    log_frac = np.log(np.maximum(q, pts[lo]) / pts[lo]) / np.log(
+                        pts[lo + 1] / pts[lo])
+                log_fracs.append(np.clip(log_frac, 0.0, 1.0))
+            else:
+                log_fracs.append(frac)
+        shape = qs[0].shape
+        out = {name: np.zeros(shape) for name in FIELDS}
+        logs = {name: np.zeros(shape) for name in TIME_FIELDS}
+        positive = {name: np.ones(shape, dtype=bool) for name in TIME_FIELDS}
         for corner in np.ndindex(*(2 if len(p) > 1 else 1 for p in self.points)):
-            weight = np.ones(qs[0].shape)
+            weight, log_weight = np.ones(shape), np.ones(shape)
             index = []
-            for bit, lo, frac in zip(corner, lows, fracs):
+            for bit, lo, frac, log_frac in zip(corner, lows, fracs, log_fracs):
                 weight = weight * (frac if bit else 1.0 - frac)
+                log_weight = log_weight * (log_frac if bit else 1.0 - log_frac)
                 index.append(lo + bit)
             index = tuple(index)
             for name in FIELDS:
@@ -173,6 +190,15 @@ class LayerTable:
                 # an unmeasured (NaN) corner makes the point infeasible only if it has weight
                 with np.errstate(invalid="ignore"):
                     out[name] += np.where(weight > 0, weight * vals, 0.0)
+                if name in TIME_FIELDS:
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        logs[name] += np.where(log_weight > 0,
+                                               log_weight * np.log(np.maximum(vals, 1e-300)),
+                                               0.0)
+                    positive[name] &= (vals > 0) | (log_weight == 0)
+        for name in TIME_FIELDS:     # a zero or negative corner: linear after all
+            out[name] = np.where(positive[name] & np.isfinite(out[name]),
+                                 np.exp(logs[name]), out[name])
         for name in FIELDS:
             feasible &= np.isfinite(out[name])
         return out, feasible
