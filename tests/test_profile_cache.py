@@ -264,3 +264,33 @@ def test_pretrain_profiles_on_first_run_and_reuses_on_the_second(tmp_path):
     assert "[train] cost model: reusing the profile" in outs[1].stdout
     assert "profiling" not in outs[1].stdout + outs[1].stderr
     assert outs[1].stdout.count("iter 2/2") == 1
+
+
+@pytest.mark.slow
+def test_throughput_bench_plans_with_the_profile(tmp_path):
+    sys.path.insert(0, REPO)
+    from tools import bench_throughput, make_flan_sample, preprocess_flan, train_tokenizer
+    assert make_flan_sample.main(["--output", str(tmp_path / "flan.jsonl"), "--num-samples",
+                                  "200", "--seed", "5"]) == 0
+    assert train_tokenizer.main(["--input", str(tmp_path / "flan.jsonl"), "--model-prefix",
+                                 str(tmp_path / "sp"), "--vocab-size", "600"]) == 0
+    assert preprocess_flan.main(["--input", str(tmp_path / "flan.jsonl"), "--output-prefix",
+                                 str(tmp_path / "flan"), "--tokenizer-type",
+                                 "SentencePieceTokenizer", "--tokenizer-model",
+                                 str(tmp_path / "sp.model"), "--no-progress"]) == 0
+    out, cache = tmp_path / "bench.json", tmp_path / "cache"
+    assert bench_throughput.main([
+        "--data-path", str(tmp_path / "flan"), "--tokenizer-model", str(tmp_path / "sp.model"),
+        "--models", "t5", "--max-lengths", "128", "--tokens-per-global-batch", "512",
+        "--strategies", "dynamic", "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2", "--pp", "2",
+        "--device", "cpu", "--timeout-minutes", "4", "--cost-model", "profile",
+        "--cost-model-cache-dir", str(cache), "--work-dir", str(tmp_path / "work"),
+        "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "error" not in result["rows"][0] and result["rows"][0]["tokens_per_s"] > 0
+    assert result["settings"]["cost_model"] == "profile"
+    [profile] = cache.glob("t5-*.json")
+    assert load_profile(profile).key["model"] == "t5"
+    assert "the run's profile (--cost-model profile)" in bench_throughput.report_markdown(
+        result, {})
