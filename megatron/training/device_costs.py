@@ -276,7 +276,7 @@ def build_cost_profile(cfg, spec, device, progress: bool = False) -> CostProfile
     total = len(grid_points(spec, RECOMPUTE_MODES, grid.axis_points, grid.measured))
     bar = tqdm(total=total, desc="profiling the cost model", unit="shape", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         tables, counts, nbytes = profile_model(
             spec, config, RECOMPUTE_MODES, grid.axis_points, PROFILE_REPEATS,
@@ -288,6 +288,7 @@ def build_cost_profile(cfg, spec, device, progress: bool = False) -> CostProfile
                      for mode, t in modes.items()} for kind, modes in tables.items()}
     meta = profile_meta(device, PROFILE_REPEATS, time.perf_counter() - start,
                         statistic="min", made_by="--cost-model profile",
+                        cpu_seconds=round(time.process_time() - cpu_start, 1),
                         grid=dataclasses.asdict(grid), measured_points=total)
     return CostProfile(run_profile_key(cfg, spec), counts, nbytes, tables, meta)
 
