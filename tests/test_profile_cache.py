@@ -294,3 +294,26 @@ def test_throughput_bench_plans_with_the_profile(tmp_path):
     assert load_profile(profile).key["model"] == "t5"
     assert "the run's profile (--cost-model profile)" in bench_throughput.report_markdown(
         result, {})
+
+
+@pytest.mark.slow
+def test_check_tool_compares_both_models_with_measured_times(tmp_path):
+    sys.path.insert(0, REPO)
+    from tools import check_cost_model
+    argv = ["t5", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--encoder-seq-length", "64", "--decoder-seq-length", "16",
+            "--tokens-per-global-batch", "256", "--vocab-size", "128",
+            "--cost-model-cache-dir", str(tmp_path), "--shapes", "1x64x16,4x16x8,2x40x12",
+            "--repeats", "1", "--output", str(tmp_path / "check.json")]
+    result = check_cost_model.main(argv)
+    assert [(r["rows"], r["seq_len"], r["dec_seq_len"]) for r in result["shapes"]] == [
+        (1, 64, 16), (4, 16, 8), (2, 40, 12)]
+    for row in result["shapes"]:
+        assert row["measured_cpu_ms"] > 0 and row["analytic_ms"] > 0 and row["profile_ms"] > 0
+    assert set(result["summary"]) == {"analytic", "profile"}
+    assert result["summary"]["profile"]["max_shape_error_pct"] >= \
+        result["summary"]["profile"]["median_shape_error_pct"]
+    # --measured takes the times from the earlier output instead of timing again
+    again = check_cost_model.main(argv[:-2] + ["--measured", str(tmp_path / "check.json")])
+    assert [r["measured_cpu_ms"] for r in again["shapes"]] == \
+        [r["measured_cpu_ms"] for r in result["shapes"]]
