@@ -377,7 +377,9 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
           f"{layout.device.type}; micro-batching {cfg.micro_batching}, schedule "
           f"{cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
           f"to the sequence length; iterations {start}..{cfg.train_iters}", flush=True)
-    print(f"[train] planning for {device_costs.device_figures(cfg).describe()}", flush=True)
+    times = "" if cfg.cost_model == "analytic" else "; times from the cost profile"
+    print(f"[train] planning for {device_costs.device_figures(cfg).describe()}{times}",
+          flush=True)
 
 
 def train_step(run: TrainingRun, iteration: int) -> IterationStats:
