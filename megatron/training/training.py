@@ -195,7 +195,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
+        tp=cfg.tensor_model_parallel_size,
+        cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
         comm=device_costs.comm_model(cfg))
 
