@@ -14,13 +14,21 @@ during forward + backward above what was allocated before, minus the kept activa
 other than transformer layers are profiled once (mode "none") and serve every mode, as
 megatron-core's recompute only ever covers transformer layers.
 
-Between grid points values are multi-linear in the axes; a shape above the grid (or below it,
-unless `below_grid="bound"`) is infeasible (None), never an extrapolation.
+Between grid points bytes are multi-linear in the axes and times power laws (see
+LayerTable.interpolate); a shape above the grid (or below it,
+unless `below_grid="bound"`) is infeasible (None), never an extrapolation -- except more rows
+than the grid's largest under `rows_above_grid="scale"`: rows are independent samples, so kept
+bytes grow exactly in proportion to them and time at most so (a device never gets slower per
+row with more rows), which makes the scaled value exact for memory and an upper bound for time.
+
+Profiles made on first use by the trainer (`--cost-model profile`) live in a cache directory
+under their key's file name (`cached_profile`, `auto_grid`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -36,6 +44,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 TRANSFORMER_KINDS = (GPT_LAYER, ENC_LAYER, DEC_LAYER)
 AXES = ("rows", "seq_len", "dec_seq_len")
 FIELDS = ("fwd_ms", "bwd_ms", "activation_bytes", "shared_bytes", "peak_bytes")
+TIME_FIELDS = ("fwd_ms", "bwd_ms")
 # Model-state bytes per parameter with Adam: fp32 training = param 4 + grad 4 + m 4 + v 4 = 16;
 # bf16/fp16 mixed precision = half param 2 + fp32 main grad 4 + fp32 master param 4 + m 4 + v 4.
 STATE_BYTES_PER_PARAM = {"float32": 16, "bfloat16": 18, "float16": 18}
@@ -131,13 +140,16 @@ class LayerTable:
             raise ProfileError(f"layer table is missing {err}") from None
 
     def interpolate(self, query: dict, below_grid: str = "infeasible"):
-        """Multi-linear interpolation at `query` (axis name -> array of values, broadcast
-        together). Returns ({field: array}, feasible bool array). Above the grid is
-        infeasible; below it is infeasible or, with below_grid="bound", takes the grid's
-        smallest point (costs never decrease with shape, so that is an upper bound)."""
+        """Interpolation at `query` (axis name -> array of values, broadcast together).
+        Returns ({field: array}, feasible bool array). Times are interpolated as power laws
+        between grid points (multi-linear in log value over log axis), which is exact for a
+        term in s^k and keeps the quadratic attention of a coarse (x4) length grid from being
+        overestimated by up to a half; bytes (linear in every axis) multi-linearly. Above the
+        grid is infeasible; below it is infeasible or, with below_grid="bound", takes the
+        grid's smallest point (costs never decrease with shape, so that is an upper bound)."""
         qs = np.broadcast_arrays(*[np.asarray(query[a], dtype=np.float64) for a in self.axes])
         feasible = np.ones(qs[0].shape, dtype=bool)
-        lows, fracs = [], []
+        lows, fracs, log_fracs = [], [], []
         for q, pts in zip(qs, self.points):
             feasible &= q <= pts[-1]
             if below_grid == "bound":
@@ -148,17 +160,29 @@ class LayerTable:
                 feasible &= (q == pts[0]) if below_grid != "bound" else (q <= pts[0])
                 lows.append(np.zeros(q.shape, dtype=np.int64))
                 fracs.append(np.zeros(q.shape))
+                log_fracs.append(np.zeros(q.shape))
                 continue
             lo = np.clip(np.searchsorted(pts, q, side="right") - 1, 0, len(pts) - 2)
             frac = np.clip((q - pts[lo]) / (pts[lo + 1] - pts[lo]), 0.0, 1.0)
             lows.append(lo)
             fracs.append(frac)
-        out = {name: np.zeros(qs[0].shape) for name in FIELDS}
+            if pts[0] > 0:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    log_frac = np.log(np.maximum(q, pts[lo]) / pts[lo]) / np.log(
+                        pts[lo + 1] / pts[lo])
+                log_fracs.append(np.clip(log_frac, 0.0, 1.0))
+            else:
+                log_fracs.append(frac)
+        shape = qs[0].shape
+        out = {name: np.zeros(shape) for name in FIELDS}
+        logs = {name: np.zeros(shape) for name in TIME_FIELDS}
+        positive = {name: np.ones(shape, dtype=bool) for name in TIME_FIELDS}
         for corner in np.ndindex(*(2 if len(p) > 1 else 1 for p in self.points)):
-            weight = np.ones(qs[0].shape)
+            weight, log_weight = np.ones(shape), np.ones(shape)
             index = []
-            for bit, lo, frac in zip(corner, lows, fracs):
+            for bit, lo, frac, log_frac in zip(corner, lows, fracs, log_fracs):
                 weight = weight * (frac if bit else 1.0 - frac)
+                log_weight = log_weight * (log_frac if bit else 1.0 - log_frac)
                 index.append(lo + bit)
             index = tuple(index)
             for name in FIELDS:
@@ -166,6 +190,15 @@ class LayerTable:
                 # an unmeasured (NaN) corner makes the point infeasible only if it has weight
                 with np.errstate(invalid="ignore"):
                     out[name] += np.where(weight > 0, weight * vals, 0.0)
+                if name in TIME_FIELDS:
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        logs[name] += np.where(log_weight > 0,
+                                               log_weight * np.log(np.maximum(vals, 1e-300)),
+                                               0.0)
+                    positive[name] &= (vals > 0) | (log_weight == 0)
+        for name in TIME_FIELDS:     # a zero or negative corner: linear after all
+            out[name] = np.where(positive[name] & np.isfinite(out[name]),
+                                 np.exp(logs[name]), out[name])
         for name in FIELDS:
             feasible &= np.isfinite(out[name])
         return out, feasible
@@ -259,6 +292,105 @@ def find_profile(directory, spec: ModelSpec, tp: int, device: str, dtype: str) -
     return load_profile(path, expect_key=key)
 
 
+# ------------------------------------------------------------------ profiles made on first use
+
+def default_cache_dir() -> Path:
+    """Where profiles made on first use are kept: $XDG_CACHE_HOME (or ~/.cache) /
+    megatron-dynapipe/profiles."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron-dynapipe" / "profiles"
+
+
+def profile_covers(profile: CostProfile, max_seq_len: int, max_dec_seq_len: int) -> bool:
+    """Whether every table reaches the run's longest encoder / decoder sequence (rows are
+    scaled, so they need no coverage)."""
+    longest = {"seq_len": max_seq_len, "dec_seq_len": max_dec_seq_len}
+    return all(table.points[i][-1] >= longest[axis]
+               for modes in profile.tables.values() for table in modes.values()
+               for i, axis in enumerate(table.axes) if axis in longest)
+
+
+def cached_profile(directory, key: dict, max_seq_len: int, max_dec_seq_len: int
+                   ) -> tuple[Path, CostProfile | None, str | None]:
+    """(cache file of `key` in `directory`, its profile if usable, why not). The profile is
+    None when the file is absent (reason None) or when it is unreadable, for another key or
+    too short for the run's lengths (reason says which, so the caller can profile again)."""
+    path = Path(directory) / profile_file_name(key)
+    if not path.exists():
+        return path, None, None
+    try:
+        profile = load_profile(path, expect_key=key)
+    except ProfileError as err:
+        return path, None, f"cached cost profile unusable: {err}"
+    if not profile_covers(profile, max_seq_len, max_dec_seq_len):
+        return path, None, (f"cached cost profile {path} stops short of this run's sequence "
+                            f"lengths ({max_seq_len}, decoder {max_dec_seq_len})")
+    return path, profile, None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileGrid:
+    """Shapes to measure: every combination of `rows`, `seq_lens`, `dec_seq_lens` (per layer
+    kind, its axes only) whose rows x longest length is at most `max_tokens` (one row is
+    always measured); the rest is filled by scaling in rows (fill_rows_by_scaling)."""
+
+    rows: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    dec_seq_lens: tuple[int, ...]
+    max_tokens: int
+
+    def axis_points(self, axes: tuple[str, ...]) -> list[list[int]]:
+        values = {"rows": self.rows, "seq_len": self.seq_lens, "dec_seq_len": self.dec_seq_lens}
+        return [list(values[a]) for a in axes]
+
+    def measured(self, shape: dict) -> bool:
+        longest = max(shape.get("seq_len", 0), shape.get("dec_seq_len", 0))
+        return shape["rows"] == 1 or shape["rows"] * longest <= self.max_tokens
+
+
+def geometric_points(shortest: int, longest: int, step: int) -> tuple[int, ...]:
+    """shortest, shortest*step, ... below `longest`, then `longest` itself."""
+    points, value = [], max(1, shortest)
+    while value < longest:
+        points.append(value)
+        value *= step
+    return tuple(points + [longest])
+
+
+def auto_grid(max_seq_len: int, max_dec_seq_len: int, max_tokens: int, step: int = 4,
+              shortest: int = 16) -> ProfileGrid:
+    """A grid that covers a run: lengths `shortest` * step^k up to the run's max lengths
+    (shorter shapes are bounded by the first point), rows step^k while one row of the
+    shortest length fits `max_tokens`. Step 4 keeps first-use profiling to a minute or two
+    on a CPU for small models; the interpolation error this costs is in docs/BENCHMARKS.md."""
+    if min(max_seq_len, max_tokens) < 1:
+        raise ValueError(f"need max_seq_len and max_tokens >= 1, got {max_seq_len}, "
+                         f"{max_tokens}")
+    seqs = geometric_points(min(shortest, max_seq_len), max_seq_len, step)
+    decs = (geometric_points(min(shortest, max_dec_seq_len), max_dec_seq_len, step)
+            if max_dec_seq_len > 0 else (1,))
+    shortest_len = min(seqs[0], decs[0]) if max_dec_seq_len > 0 else seqs[0]
+    top = max(1, max_tokens // shortest_len)
+    rows = tuple(step ** k for k in range(int(math.log(top, step) + 1e-9) + 1))
+    return ProfileGrid(rows, seqs, decs, int(max_tokens))
+
+
+def fill_rows_by_scaling(values: dict, rows: np.ndarray) -> dict:
+    """Unmeasured (NaN) points of tables whose axis 0 is `rows` filled from the nearest
+    measured point with fewer rows, scaled by the rows ratio (see the module docstring)."""
+    out = {}
+    for name, arr in values.items():
+        arr = np.array(arr, dtype=np.float64)
+        for i in range(1, len(rows)):
+            missing = np.isnan(arr[i])
+            for j in range(i - 1, -1, -1):
+                take = missing & np.isfinite(arr[j])
+                arr[i][take] = arr[j][take] * rows[i] / rows[j]
+                missing &= ~take
+        out[name] = arr
+    return out
+
+
 # ------------------------------------------------------------------ the cost model
 
 class ProfiledCostModel(CostModel):
@@ -270,9 +402,13 @@ class ProfiledCostModel(CostModel):
 
     def __init__(self, profile: CostProfile, device_memory_bytes: float | None = None,
                  bytes_per_param_state: float | None = None, num_stages: int = 1,
-                 below_grid: str = "infeasible"):
+                 below_grid: str = "infeasible", rows_above_grid: str = "infeasible"):
         if below_grid not in ("infeasible", "bound"):
             raise ValueError(f"below_grid must be 'infeasible' or 'bound', got {below_grid!r}")
+        if rows_above_grid not in ("infeasible", "scale"):
+            raise ValueError(f"rows_above_grid must be 'infeasible' or 'scale', got "
+                             f"{rows_above_grid!r}")
+        self.rows_above_grid = rows_above_grid
         self.profile = profile
         self.spec = profile.spec
         memory = device_memory_bytes or profile.meta.get("device_memory_bytes")
@@ -314,7 +450,7 @@ class ProfiledCostModel(CostModel):
         query = {"rows": b, "seq_len": np.broadcast_to(np.asarray(seq_len, np.float64), b.shape),
                  "dec_seq_len": np.broadcast_to(np.asarray(dec_seq_len, np.float64), b.shape)}
         stages = self.spec.stage_layers(num_stages)
-        per_kind = {kind: self.profile.table(kind, recompute).interpolate(query, self.below_grid)
+        per_kind = {kind: self._interpolate(self.profile.table(kind, recompute), query)
                     for kind in {k for kinds in stages for k in kinds}}
         out = np.zeros((4, num_stages) + b.shape)
         feasible = np.ones(b.shape, dtype=bool)
@@ -329,3 +465,14 @@ class ProfiledCostModel(CostModel):
                 np.maximum(out[3, s], vals["peak_bytes"], out=out[3, s])
         out[:, :, ~feasible] = 0.0
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
+
+    def _interpolate(self, table: LayerTable, query: dict):
+        """table.interpolate, with rows above the grid scaled from its largest rows when
+        rows_above_grid is "scale" (rows is every table's first axis)."""
+        if self.rows_above_grid != "scale":
+            return table.interpolate(query, self.below_grid)
+        top = table.points[0][-1]
+        factor = np.maximum(query["rows"] / top, 1.0)
+        vals, ok = table.interpolate(dict(query, rows=np.minimum(query["rows"], top)),
+                                     self.below_grid)
+        return {name: v * factor for name, v in vals.items()}, ok

@@ -99,9 +99,9 @@ def build_cost_model(source: CostModelSource, spec: ModelSpec, tp: int,
     if profile.spec != spec:
         raise ValueError(f"{source.path}: cost profile is for {profile.spec}, this run trains "
                          f"{spec}")
-    if profile.key.get("tp", tp) != tp:
+    if profile.key.get("tensor_model_parallel_size", tp) != tp:
         raise ValueError(f"{source.path}: cost profile was measured at tensor-parallel size "
-                         f"{profile.key.get('tp')}, this run uses {tp}")
+                         f"{profile.key['tensor_model_parallel_size']}, this run uses {tp}")
     return ProfiledCostModel(profile, num_stages=num_stages, **options)
 
 

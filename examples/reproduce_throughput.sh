@@ -7,6 +7,7 @@
 #   bash examples/reproduce_throughput.sh              # CPU: 2 ranks, gloo, PP=2
 #   MAX_LENGTHS="512 1024" bash examples/reproduce_throughput.sh   # a quicker subset
 #   DEVICE=cuda NPROC=1 PP=1 bash examples/reproduce_throughput.sh # one GPU, bf16
+#   COST_MODEL=profile bash examples/reproduce_throughput.sh  # plan with the run's profile
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -16,6 +17,7 @@ NPROC=${NPROC:-2}
 PP=${PP:-2}
 DEVICE=${DEVICE:-auto}
 ITERS=${ITERS:-3}
+COST_MODEL=${COST_MODEL:-analytic}   # or profile: made on first use, cached (several minutes)
 mkdir -p "$WORK"
 
 # 1. data: 4,000 FLAN-like samples (seeded), a 2,000-piece SentencePiece vocabulary, indexed
@@ -31,7 +33,8 @@ CMD="bash examples/reproduce_throughput.sh"
     --models gpt t5 --max-lengths $MAX_LENGTHS --tokens-per-global-batch 8192 \
     --warmup-iters 1 --iters "$ITERS" --num-layers 4 --hidden-size 256 \
     --num-attention-heads 4 --nproc "$NPROC" --pp "$PP" --device "$DEVICE" \
-    --work-dir "$WORK/bench" --output "$WORK/bench_throughput.json" --command "$CMD"
+    --cost-model "$COST_MODEL" --work-dir "$WORK/bench" \
+    --output "$WORK/bench_throughput.json" --command "$CMD"
 
 # 3. paper-scale simulation (cost model, planners and schedule search; no training)
 "$PY" tools/project_paper_scale.py --output "$WORK/projection.json"

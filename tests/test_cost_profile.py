@@ -222,3 +222,23 @@ def test_real_t5_profile_has_decoder_grid(tmp_path):
     assert model.stage_costs(1, 20, 10, 2, "full") is not None
     with pytest.raises(ProfileError, match="no 'selective'"):
         model.stage_costs(1, 20, 10, 2, "selective")
+
+
+def test_times_interpolate_as_power_laws_and_bytes_linearly():
+    seqs = np.array([16.0, 64.0, 256.0])
+    quadratic = np.array([[s * s for s in seqs]])
+    values = {name: quadratic for name in FIELDS}
+    values["bwd_ms"] = np.array([[3.0 * s for s in seqs]])
+    table = LayerTable(("rows", "seq_len"), (np.array([1.0]), seqs), values)
+    vals, ok = table.interpolate({"rows": np.array([1.0, 1.0]), "seq_len": np.array([32.0,
+                                                                                     100.0])})
+    assert ok.all()
+    np.testing.assert_allclose(vals["fwd_ms"], [32.0**2, 100.0**2])      # exact for s^2
+    np.testing.assert_allclose(vals["bwd_ms"], [96.0, 300.0])            # and for s
+    # bytes stay multi-linear: a third of the way from 16 to 64 -> a third of the way up
+    assert vals["activation_bytes"][0] == pytest.approx(256 + (4096 - 256) / 3)
+    # a zero corner falls back to linear interpolation instead of failing
+    values["fwd_ms"] = np.array([[0.0, 4.0, 8.0]])
+    zero = LayerTable(("rows", "seq_len"), (np.array([1.0]), seqs), values)
+    vals, ok = zero.interpolate({"rows": np.array([1.0]), "seq_len": np.array([40.0])})
+    assert ok[0] and vals["fwd_ms"][0] == pytest.approx(2.0)

@@ -151,7 +151,8 @@ def test_a_profile_cost_model_gets_the_usable_memory_and_state_bytes(tmp_path):
     source = planner_config(cfg, model_spec(cfg, 500), dp=1).cost_model
     assert source.kind == "profile"
     assert dict(source.options) == {"device_memory_bytes": 9 * GIB,
-                                    "bytes_per_param_state": 16.0}
+                                    "bytes_per_param_state": 16.0, "below_grid": "bound",
+                                    "rows_above_grid": "scale"}
 
 
 def _warm_up_rank(rank, world_size, tp, pp):

@@ -81,6 +81,10 @@ def train_flags(job: dict, strategy: str) -> list[str]:
                   "--merge-file", job["merge_file"]]
     if job.get("bf16"):
         flags.append("--bf16")
+    if job.get("cost_model") == "profile":
+        flags += ["--cost-model", "profile"]
+        if job.get("cost_model_cache_dir"):
+            flags += ["--cost-model-cache-dir", job["cost_model_cache_dir"]]
     return flags
 
 
@@ -105,6 +109,10 @@ def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | 
     source = plan_cfg.cost_model
     if source.kind == "analytic":
         source = CostModelSource.analytic(**cost_model_options(job))
+    else:       # the run's profile, with the benchmark's memory per rank
+        memory = cost_model_options(job)["device_mem_bytes"]
+        source = CostModelSource.profile(
+            source.path, **dict(source.options, device_memory_bytes=memory))
     planner = replace(plan_cfg.planner, micro_batch_size=micro_batch_size)
     return replace(plan_cfg, planner=planner, cost_model=source)
 
@@ -318,6 +326,23 @@ def group_memory_gib(job: dict, most_doublings: int = 3) -> float:
     return float(job["memory_gib"])     # packing will report that it does not fit
 
 
+def ensure_profile(job: dict) -> None:
+    """--cost-model profile: make (or find) the run's profile before anything plans with it
+    (every rank calls this; see device_costs.ensure_cost_profile)."""
+    from megatron.training import device_costs
+    from megatron.training.arguments import parse_args
+    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.training.training import model_spec, open_training_data
+    cfg = parse_args(job["model"], train_flags(job, "dynamic"))
+    spec = model_spec(cfg, open_training_data(cfg, int(os.environ.get("RANK", "0"))).vocab_size)
+    layout = setup_model_parallel(
+        cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
+        timeout_s=cfg.distributed_timeout_minutes * 60, total_layers=spec.total_layers,
+        num_stages=cfg.pipeline_model_parallel_size, vocab_size=spec.vocab_size,
+        num_attention_heads=cfg.num_attention_heads)
+    device_costs.ensure_cost_profile(cfg, spec, layout.rank, layout.device)
+
+
 def replace_memory(job: dict, memory_gib: float) -> dict:
     return dict(job, memory_gib=memory_gib)
 
@@ -330,6 +355,8 @@ def worker_main(job_file: str) -> int:
     torch.set_num_threads(job["threads"])
     if job.get("device") == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if job.get("cost_model") == "profile":
+        ensure_profile(job)
     job["memory_gib"] = group_memory_gib(job)
     results = []
     for strategy in job["strategies"]:
@@ -577,8 +604,10 @@ def report_markdown(result: dict, plots: dict) -> str:
         f"tools/make_flan_sample.py; {s['tokens_per_global_batch']:,} tokens per global batch "
         f"(at least the max length); {s['warmup_iters']} warm-up + {s['iters']} timed iterations "
         f"(the same global batches for every strategy). T5 decoder max = max(128, L/4).",
-        "Planning: analytic cost model with this device's figures "
-        f"({s['device_flops'] / 1e9:g} GFLOP/s, {s['memory_gib']:g} GiB activations per rank, "
+        ("Planning: analytic cost model with this device's figures "
+         f"({s['device_flops'] / 1e9:g} GFLOP/s, " if s.get("cost_model", "analytic") ==
+         "analytic" else "Planning: the run's profile (--cost-model profile) with ("
+         ) + f"{s['memory_gib']:g} GiB activations per rank, "
         f"doubled for a (model, max length) where not one packed row of the max length fits: "
         f"{memory_note(rows, s['memory_gib'])}) for "
         "every strategy; schedule 'auto' (faster of 1F1B and adaptive per iteration); recompute "
@@ -823,6 +852,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--pipeline-schedule", default="auto", choices=("auto", "1f1b", "adaptive"))
     g.add_argument("--device-flops", type=float, default=None,
                    help="cost model throughput (default: 2e10 on CPU, 3e14 on GPU)")
+    g.add_argument("--cost-model", choices=("analytic", "profile"), default="analytic",
+                   help="plan with the analytic model or the run's profile (made on first "
+                        "use, see pretrain's --cost-model profile)")
+    g.add_argument("--cost-model-cache-dir", default=None,
+                   help="profile cache of --cost-model profile")
     g.add_argument("--memory-gib", type=float, default=None,
                    help="activation memory per rank for the planners (default 3 on CPU, "
                         "60 on GPU)")
@@ -863,6 +897,7 @@ def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
         "bf16": args.bf16 or device == "cuda", "device": device, "threads": args.threads,
         "device_flops": args.device_flops or (3e14 if device == "cuda" else 2e10),
         "memory_gib": args.memory_gib or (60.0 if device == "cuda" else 3.0),
+        "cost_model": args.cost_model, "cost_model_cache_dir": args.cost_model_cache_dir,
         "timeout_minutes": max(2.0, args.timeout_minutes / 2), "verbose": args.verbose,
         "result_file": str(work / f"result_{model}_{max_len}.json"),
     }

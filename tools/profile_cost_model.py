@@ -20,13 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dynapipe_ext.cost_profile import (  # noqa: E402
-    FIELDS, RECOMPUTE_MODES, TRANSFORMER_KINDS, CostProfile, LayerTable, layer_axes,
-    profile_file_name, profile_key, profile_kinds, save_profile)
+    RECOMPUTE_MODES, CostProfile, profile_file_name, profile_key, save_profile)
 from dynapipe_ext.model_spec import ModelSpec  # noqa: E402
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -101,53 +99,24 @@ def model_spec(args) -> ModelSpec:
                      max_position_embeddings=args.max_position_embeddings)
 
 
-def grid_shapes(kind: str, model: str, args) -> tuple[tuple[str, ...], list[list[int]]]:
-    """Axes of a kind's table and their grid values."""
-    axes = layer_axes(kind, model)
-    values = {"rows": args.micro_batch_sizes, "seq_len": args.seq_lengths,
-              "dec_seq_len": args.dec_seq_lengths}
-    return axes, [values[a] for a in axes]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def profile_kind(kind, spec, config, args, dtype, device, log) -> dict:
-    """Tables of one layer kind for every requested mode (transformer kinds) or 'none'."""
-    from megatron.model.profile_layers import ProfiledLayer, make_inputs, measure_layer
-    layer = ProfiledLayer(kind, spec, config).to(device)
-    axes, points = grid_shapes(kind, spec.model, args)
-    modes = args.recompute_modes if kind in TRANSFORMER_KINDS else ["none"]
-    tables = {}
-    for mode in modes:
-        values = {name: np.full([len(p) for p in points], np.nan) for name in FIELDS}
-        for index in np.ndindex(*[len(p) for p in points]):
-            shape = {a: points[i][j] for i, (a, j) in enumerate(zip(axes, index))}
-            rows = shape["rows"]
-            seq = shape.get("seq_len", args.seq_lengths[0])
-            dec = shape.get("dec_seq_len", args.dec_seq_lengths[0])
-            start = time.perf_counter()
-            try:
-                data = make_inputs(kind, spec, rows, seq, dec, dtype, device, seed=args.seed)
-                m = measure_layer(layer, data, mode, args.repeats, device, seed=args.seed)
-            except torch.OutOfMemoryError:
-                log(f"  {kind:15s} {mode:9s} {shape}: out of memory, left unmeasured")
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            for name in FIELDS:
-                values[name][index] = getattr(m, name)
-            log(f"  {kind:15s} {mode:9s} {shape}: fwd {m.fwd_ms:8.2f} ms  bwd {m.bwd_ms:8.2f} ms"
-                f"  kept {m.activation_bytes / 2**20:8.2f} MiB (+{m.shared_bytes / 2**20:.2f} "
-                f"shared)  peak {m.peak_bytes / 2**20:8.2f} MiB  "
-                f"[allocator after fwd {m.forward_allocated_bytes / 2**20:.2f} MiB, "
-                f"{time.perf_counter() - start:.1f} s]")
-        tables[mode] = LayerTable(axes, tuple(np.asarray(p, dtype=np.float64) for p in points),
-                                  values)
-    return tables
+def log_point(log):
+    """on_point callback of profile_model that logs each measurement."""
+    def on_point(point, m, seconds):
+        if m is None:
+            log(f"  {point.kind:15s} {point.mode:9s} {point.shape}: out of memory, left "
+                f"unmeasured")
+            return
+        log(f"  {point.kind:15s} {point.mode:9s} {point.shape}: fwd {m.fwd_ms:8.2f} ms  bwd "
+            f"{m.bwd_ms:8.2f} ms  kept {m.activation_bytes / 2**20:8.2f} MiB "
+            f"(+{m.shared_bytes / 2**20:.2f} shared)  peak {m.peak_bytes / 2**20:8.2f} MiB  "
+            f"[allocator after fwd {m.forward_allocated_bytes / 2**20:.2f} MiB, {seconds:.1f} s]")
+    return on_point
 
 
 def main(argv=None) -> Path | None:
@@ -161,8 +130,7 @@ def main(argv=None) -> Path | None:
             raise SystemExit(f"--tensor-model-parallel-size {tp} needs {tp} processes: run under "
                              f"torchrun --nproc-per-node {tp}")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    from megatron.model.profile_layers import (device_memory_bytes, device_name,
-                                               parameter_bytes, peak_method, ProfiledLayer)
+    from megatron.model.profile_layers import device_name, profile_meta, profile_model
     from megatron.model.stages import build_transformer_config
     from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
 
@@ -178,17 +146,12 @@ def main(argv=None) -> Path | None:
     key = profile_key(spec, tp, device_name(device), dtype_name)
     log(f"profiling {key} on {device} ({torch.get_num_threads()} threads)")
     start = time.perf_counter()
-    tables, param_count, param_bytes = {}, {}, {}
-    for kind in profile_kinds(spec):
-        log(f"{kind}:")
-        tables[kind] = profile_kind(kind, spec, config, args, dtype, device, log)
-        param_count[kind], param_bytes[kind] = parameter_bytes(ProfiledLayer(kind, spec, config))
-    meta = {"device_memory_bytes": device_memory_bytes(device), "threads": torch.get_num_threads(),
-            "repeats": args.repeats, "peak_method": peak_method(device),
-            "recompute_backend": ("megatron-core" if device.type == "cuda"
-                                  else "torch.utils.checkpoint (megatron-core's needs CUDA RNG)"),
-            "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    values = {"rows": args.micro_batch_sizes, "seq_len": args.seq_lengths,
+              "dec_seq_len": args.dec_seq_lengths}
+    tables, param_count, param_bytes = profile_model(
+        spec, config, args.recompute_modes, lambda axes: [values[a] for a in axes],
+        args.repeats, dtype, device, seed=args.seed, on_point=log_point(log))
+    meta = profile_meta(device, args.repeats, time.perf_counter() - start)
     path = None
     if is_writer:
         path = args.output / profile_file_name(key) if (

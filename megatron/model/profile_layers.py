@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
@@ -31,6 +32,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dynapipe_ext.cost_profile import (FIELDS, TRANSFORMER_KINDS, LayerTable, layer_axes,
+                                       profile_kinds)
 from dynapipe_ext.model_spec import (
     DEC_EMBEDDING,
     DEC_LAYER,
@@ -158,17 +161,21 @@ def make_inputs(kind: str, spec: ModelSpec, rows: int, seq_len: int, dec_seq_len
 # ------------------------------------------------------------------ device facts
 
 def device_name(device: torch.device) -> str:
-    """Name of the device the profile is valid for (GPU model, or 'cpu' + CPU model)."""
+    """Name of the device the profile is valid for: the GPU model, or 'cpu' + the CPU model +
+    torch's thread count (which sets a CPU's speed as much as its model does)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    name = "cpu"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return "cpu " + line.split(":", 1)[1].strip()
+                    name = "cpu " + line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    return "cpu"
+    threads = torch.get_num_threads()
+    return f"{name}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -177,6 +184,16 @@ def device_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.get_device_properties(device).total_memory)
     import os
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def profile_meta(device: torch.device, repeats: int, seconds: float, **extra) -> dict:
+    """What a profile records about how it was made (free-form `meta` of CostProfile)."""
+    return {"device_memory_bytes": device_memory_bytes(device),
+            "threads": torch.get_num_threads(), "repeats": repeats,
+            "peak_method": peak_method(device), "timer": timer_name(device),
+            "recompute_backend": "torch.utils.checkpoint (run_stage_forward)",
+            "seconds": round(seconds, 1), "torch": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
 
 
 # ------------------------------------------------------------------ memory measurement
@@ -265,6 +282,19 @@ class LayerMeasurement:
     forward_allocated_bytes: int   # allocator's view of bytes left after forward (cross-check)
 
 
+def timer(device: torch.device):
+    """The clock layer times are read with: on a CPU computing with one torch thread the
+    process's CPU time (its compute time, which other processes on a shared machine do not
+    inflate), else wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def timer_name(device: torch.device) -> str:
+    return "process CPU time" if timer(device) is time.process_time else "wall time"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -274,18 +304,19 @@ def _fwd_bwd(layer: ProfiledLayer, data: LayerInputs, recompute: str, gen, devic
              after_forward=None) -> tuple[float, float]:
     """One forward and backward; (forward ms, backward ms). `after_forward(out)` runs between
     them, outside both timings."""
-    start = time.perf_counter()
+    clock = timer(device)
+    start = clock()
     out = run_stage_forward(layer, data.inputs, data.batch, recompute)
     _sync(device)
-    fwd_ms = (time.perf_counter() - start) * 1e3
+    fwd_ms = (clock() - start) * 1e3
     if after_forward is not None:
         after_forward(out)
     outs, grads = _outputs_and_grads(out, gen)
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     torch.autograd.backward(outs, grads)
     _sync(device)
-    return fwd_ms, (time.perf_counter() - start) * 1e3
+    return fwd_ms, (clock() - start) * 1e3
 
 
 def _clear_input_grads(data: LayerInputs) -> None:
@@ -294,9 +325,11 @@ def _clear_input_grads(data: LayerInputs) -> None:
 
 
 def measure_layer(layer: ProfiledLayer, data: LayerInputs, recompute: str, repeats: int,
-                  device: torch.device, seed: int = 0) -> LayerMeasurement:
+                  device: torch.device, seed: int = 0,
+                  statistic: str = "median") -> LayerMeasurement:
     """Warm up once, measure memory in one instrumented forward + backward, then time
-    `repeats` plain ones (median)."""
+    `repeats` plain ones (their median, or their minimum: steadier on a loaded machine)."""
+    reduce = {"median": statistics.median, "min": min}[statistic]
     gen = torch.Generator().manual_seed(seed)
     _fwd_bwd(layer, data, recompute, gen, device)      # warm-up; creates parameter grads
     _clear_input_grads(data)
@@ -344,5 +377,97 @@ def measure_layer(layer: ProfiledLayer, data: LayerInputs, recompute: str, repea
         _clear_input_grads(data)
         fwd.append(f)
         bwd.append(b)
-    return LayerMeasurement(statistics.median(fwd), statistics.median(bwd), kept["private"],
+    return LayerMeasurement(reduce(fwd), reduce(bwd), kept["private"],
                             kept["shared"], transient, kept["allocated"])
+
+
+# ------------------------------------------------------------------ a whole model
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement to make: layer kind, recompute mode, grid index and shape."""
+
+    kind: str
+    mode: str
+    index: tuple
+    shape: dict
+
+
+def grid_points(spec: ModelSpec, modes, axis_points, measured=None) -> list[Point]:
+    """Every point to measure, in order: per layer kind of `spec`, per recompute mode
+    (transformer kinds; 'none' for the others), per grid index of `axis_points(axes)`, unless
+    `measured(shape)` says to leave it out."""
+    points = []
+    for kind in profile_kinds(spec):
+        axes = layer_axes(kind, spec.model)
+        values = axis_points(axes)
+        for mode in (modes if kind in TRANSFORMER_KINDS else ["none"]):
+            for index in np.ndindex(*[len(v) for v in values]):
+                shape = {a: values[i][j] for i, (a, j) in enumerate(zip(axes, index))}
+                if measured is None or measured(shape):
+                    points.append(Point(kind, mode, index, shape))
+    return points
+
+
+def profile_model(spec: ModelSpec, config: TransformerConfig, modes, axis_points, repeats: int,
+                  dtype: torch.dtype, device: torch.device, seed: int = 0, measured=None,
+                  statistic: str = "median", on_point=None):
+    """Measure every layer kind of a model: returns (tables[kind][mode] LayerTable,
+    parameter counts, parameter bytes) of one TP rank. Points left out by `measured` or out of
+    memory are NaN. `on_point(point, measurement or None (out of memory), seconds)` is called
+    after each point (progress, logs). Every TP rank must call it alike (the layers' TP
+    collectives)."""
+    todo = grid_points(spec, modes, axis_points, measured)
+    tables, param_count, param_bytes = {}, {}, {}
+    for kind in profile_kinds(spec):
+        layer = ProfiledLayer(kind, spec, config).to(device)
+        param_count[kind], param_bytes[kind] = parameter_bytes(layer)
+        axes = layer_axes(kind, spec.model)
+        values = axis_points(axes)
+        shape_of = tuple(len(v) for v in values)
+        tables[kind] = {}
+        for mode in (modes if kind in TRANSFORMER_KINDS else ["none"]):
+            arrays = {name: np.full(shape_of, np.nan) for name in FIELDS}
+            for point in (p for p in todo if p.kind == kind and p.mode == mode):
+                # a length the kind does not depend on only shapes inputs it passes through
+                seq, dec = point.shape.get("seq_len", 1), point.shape.get("dec_seq_len", 1)
+                start = time.perf_counter()
+                try:
+                    data = make_inputs(kind, spec, point.shape["rows"], seq, dec, dtype, device,
+                                       seed=seed)
+                    m = measure_layer(layer, data, mode, repeats, device, seed=seed,
+                                      statistic=statistic)
+                except torch.OutOfMemoryError:
+                    m = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if m is not None:
+                    for name in FIELDS:
+                        arrays[name][point.index] = getattr(m, name)
+                if on_point is not None:
+                    on_point(point, m, time.perf_counter() - start)
+            tables[kind][mode] = LayerTable(axes, tuple(np.asarray(v, dtype=np.float64)
+                                                        for v in values), arrays)
+    return tables, param_count, param_bytes
+
+
+# ------------------------------------------------------------------ a whole micro-batch
+
+def time_stage(stage: torch.nn.Module, batch: dict, repeats: int, device: torch.device,
+               recompute: str = "none") -> tuple[float, float]:
+    """Forward + backward of one micro-batch through a stage that holds the whole model
+    (embedding to loss), after a warm-up: (least wall ms, least process CPU ms) over `repeats`.
+    CPU time is steadier than wall time on a shared machine (with one torch thread it is the
+    compute time); on GPU only the wall time means anything."""
+    walls, cpus = [], []
+    for i in range(repeats + 1):
+        _sync(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        losses = run_stage_forward(stage, (), batch, recompute)
+        losses.sum().backward()
+        _sync(device)
+        if i:                              # the first run warms up
+            walls.append((time.perf_counter() - wall) * 1e3)
+            cpus.append((time.process_time() - cpu) * 1e3)
+        stage.zero_grad(set_to_none=True)
+    return min(walls), min(cpus)

@@ -106,6 +106,7 @@ class TrainConfig:
     p2p_bandwidth_gbps: float | None = None
     p2p_latency_us: float | None = None
     replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
+    cost_model_cache_dir: str | None = None     # --cost-model profile (None: ~/.cache/...)
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -180,9 +181,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--num-planner-workers must be >= 0 or 'auto', got {cfg.num_planner_workers!r}")
     need(cfg.replica_split in REPLICA_SPLITS + ("auto",),
          f"--replica-split must be one of {REPLICA_SPLITS + ('auto',)}, got {cfg.replica_split!r}")
-    need(cfg.cost_model == "analytic" or os.path.isfile(cfg.cost_model),
-         f"--cost-model must be 'analytic' or an existing profile file; {cfg.cost_model!r} "
-         f"does not exist")
+    need(cfg.cost_model in ("analytic", "profile") or os.path.isfile(cfg.cost_model),
+         f"--cost-model must be 'analytic', 'profile' or an existing profile file; "
+         f"{cfg.cost_model!r} does not exist")
+    need(cfg.cost_model_cache_dir is None or cfg.cost_model == "profile",
+         "--cost-model-cache-dir needs --cost-model profile")
     need(cfg.distributed_timeout_minutes > 0,
          f"--distributed-timeout-minutes must be > 0, got {cfg.distributed_timeout_minutes}")
     need(cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr,
@@ -394,7 +397,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--check-plans", action="store_true",
                    help="run the plan checker on every plan before executing it")
     g.add_argument("--cost-model", default="analytic",
-                   help="'analytic' or the path of a measured profile")
+                   help="'analytic'; 'profile': profile this run's model, device, precision "
+                        "and TP on first use (a minute or two on CPU for small models) and "
+                        "reuse it from the cache later; or the path of a profile made by "
+                        "tools/profile_cost_model.py")
+    g.add_argument("--cost-model-cache-dir", default=None,
+                   help="where --cost-model profile keeps profiles (default "
+                        "$XDG_CACHE_HOME or ~/.cache, then megatron-dynapipe/profiles)")
     g.add_argument("--device-flops", type=float, default=None,
                    help="device compute rate (FLOP/s) the planner assumes; default: a short "
                         "matmul calibration on GPU, a fixed nominal rate on CPU")
@@ -594,7 +603,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         split=args.split,
         device_flops=args.device_flops,
         device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
-        p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us)
+        p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us,
+        cost_model_cache_dir=args.cost_model_cache_dir)
 
 
 def config_field_names() -> list[str]:

@@ -16,15 +16,26 @@ Figures come from flags when given (`--device-memory-gb`, `--memory-headroom-gb`
   between pipeline ranks 0 and 1 at start-up (measure_link); on CPU not modelled (as for the
   compute rate, so CPU plans do not depend on machine load).
 The planning leader (global rank 0) is the only rank whose figures are used.
+
+`--cost-model profile` plans with a profile of the run's own model, device, precision and TP
+degree, made on first use and kept in a cache directory (`--cost-model-cache-dir`) under its
+key; see `ensure_cost_profile`.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import functools
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from dynapipe_ext.cost_profile import (RECOMPUTE_MODES, CostProfile, LayerTable, auto_grid,
+                                       cached_profile, default_cache_dir, fill_rows_by_scaling,
+                                       profile_file_name, profile_key, save_profile)
 from dynapipe_ext.iteration_planner import CostModelSource
 from dynapipe_ext.simulator import CommModel
 from megatron.training.distributed_setup import use_cuda
@@ -33,6 +44,11 @@ GIB = 2**30
 CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
 GPU_BASE_HEADROOM = 1 * GIB       # CUDA context, NCCL buffers, cuBLAS workspaces
 HEADROOM_FRACTION = 0.10          # allocator fragmentation and transient spikes
+# first-use profiling: shapes up to this many tokens are measured (more rows are scaled),
+# two timed runs each (their minimum: steadier on a shared machine)
+PROFILE_MAX_TOKENS = {"cpu": 4096, "cuda": 16384}
+PROFILE_REPEATS = 2
+PROFILE_WAIT_S = 1800.0           # ranks wait this long at most for the profiling ranks
 
 
 @dataclass(frozen=True)
@@ -199,12 +215,16 @@ def dropout_options(cfg, kind: str) -> dict:
             "fused_attention": not (attention and kind == "cpu")}
 
 
-def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> CostModelSource:
+def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
+                      spec=None) -> CostModelSource:
     """The planner's cost model for this run: analytic (FLOPs and activation bytes at the
-    run's precision) or the profile at --cost-model, either with the device's usable memory
-    and the model-state bytes of our optimizer layout."""
+    run's precision), the profile at --cost-model PATH, or with `--cost-model profile` this
+    run's cached profile (needs the ModelSpec `spec`; ensure_cost_profile makes it), each with
+    the device's usable memory and the model-state bytes of our optimizer layout."""
     figures = figures or device_figures(cfg)
     states = state_bytes_per_param(cfg.bf16)
+    if cfg.cost_model == "profile" and spec is None:
+        raise ValueError("--cost-model profile: the cost model source needs the model spec")
     if cfg.cost_model == "analytic":
         return CostModelSource.analytic(
             device_flops=figures.flops, device_mem_bytes=figures.usable_bytes,
@@ -212,5 +232,138 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None) -> Cos
             max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
             full_recompute="stage",   # run_stage_forward: one checkpoint per stage, any device
             **dropout_options(cfg, figures.kind))
-    return CostModelSource.profile(cfg.cost_model, device_memory_bytes=figures.usable_bytes,
-                                   bytes_per_param_state=states)
+    path = profile_cache_path(cfg, spec) if cfg.cost_model == "profile" else cfg.cost_model
+    # shapes shorter than the grid are bounded by its first point, more rows scaled (the
+    # trainer must be able to plan any sample)
+    return CostModelSource.profile(str(path), device_memory_bytes=figures.usable_bytes,
+                                   bytes_per_param_state=states, below_grid="bound",
+                                   rows_above_grid="scale")
+
+
+# ---------------------------------------------------------------------------- --cost-model profile
+
+class CostProfileError(RuntimeError):
+    """First-use profiling failed; raised on every rank alike."""
+
+
+def run_device():
+    """The device this rank computes on (as setup_model_parallel picks it), known before
+    set-up."""
+    import torch
+    return (torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if use_cuda()
+            else torch.device("cpu"))
+
+
+def run_profile_key(cfg, spec) -> dict:
+    """What this run's profile must have been made for: model, TP, device and precision."""
+    from megatron.model.profile_layers import device_name
+    return profile_key(spec, cfg.tensor_model_parallel_size, device_name(run_device()),
+                       "bfloat16" if cfg.bf16 else "float32")
+
+
+def profile_cache_path(cfg, spec) -> Path:
+    """This run's profile file in the cache directory (--cost-model-cache-dir)."""
+    directory = Path(cfg.cost_model_cache_dir) if cfg.cost_model_cache_dir else \
+        default_cache_dir()
+    return directory / profile_file_name(run_profile_key(cfg, spec))
+
+
+def build_cost_profile(cfg, spec, device, progress: bool = False) -> CostProfile:
+    """Profile the run's own layers on `device` over auto_grid (every recompute mode), with a
+    progress bar when `progress`. Every rank of the tensor-parallel group calls it alike. The
+    global RNG state is left as it was, so a run that profiles trains like one that does not."""
+    import torch
+    from tqdm import tqdm
+
+    from megatron.model.profile_layers import grid_points, profile_meta, profile_model
+    from megatron.model.stages import build_transformer_config
+    dtype_name = "bfloat16" if cfg.bf16 else "float32"
+    longest = max(cfg.seq_length, cfg.decoder_seq_length)
+    tokens = min(cfg.tokens_per_global_batch, PROFILE_MAX_TOKENS[device.type])
+    grid = auto_grid(cfg.seq_length, cfg.decoder_seq_length, max(longest, tokens))
+    config = build_transformer_config(spec, cfg.tensor_model_parallel_size, 1, dtype_name,
+                                      fused=device.type == "cuda")
+    total = len(grid_points(spec, RECOMPUTE_MODES, grid.axis_points, grid.measured))
+    bar = tqdm(total=total, desc="profiling the cost model", unit="shape", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        tables, counts, nbytes = profile_model(
+            spec, config, RECOMPUTE_MODES, grid.axis_points, PROFILE_REPEATS,
+            getattr(torch, dtype_name), device, seed=cfg.seed, measured=grid.measured,
+            statistic="min", on_point=lambda point, m, seconds: bar.update())
+    bar.close()
+    tables = {kind: {mode: LayerTable(t.axes, t.points, fill_rows_by_scaling(t.values,
+                                                                             t.points[0]))
+                     for mode, t in modes.items()} for kind, modes in tables.items()}
+    meta = profile_meta(device, PROFILE_REPEATS, time.perf_counter() - start,
+                        statistic="min", made_by="--cost-model profile",
+                        cpu_seconds=round(time.process_time() - cpu_start, 1),
+                        grid=dataclasses.asdict(grid), measured_points=total)
+    return CostProfile(run_profile_key(cfg, spec), counts, nbytes, tables, meta)
+
+
+def ensure_cost_profile(cfg, spec, rank: int, device, say=print) -> Path:
+    """Make sure the planning leader (global rank 0, the only rank that reads a cost model)
+    finds this run's profile in the cache, profiling it on first use. Every rank calls it at
+    the same point of set-up, after setup_model_parallel. Rank 0 looks in the cache (a file
+    it cannot read, made for another key or too short for this run's lengths is profiled
+    again, with a message); on a miss the ranks of rank 0's tensor-parallel group profile
+    together (TP collectives) and rank 0 writes the file atomically. The other ranks wait on a
+    gloo group whose timeout is PROFILE_WAIT_S (or the distributed timeout if longer), so a
+    dead profiling rank is an error on every rank, never a hang."""
+    import torch
+    import torch.distributed as dist
+    path = profile_cache_path(cfg, spec)
+    need = False
+    if rank == 0:
+        key = run_profile_key(cfg, spec)
+        path, profile, problem = cached_profile(path.parent, key, cfg.seq_length,
+                                                cfg.decoder_seq_length)
+        if profile is not None:
+            say(f"[train] cost model: reusing the profile {path} (made "
+                f"{profile.meta.get('created', '?')} in {profile.meta.get('seconds', '?')} s)")
+        else:
+            say(f"[train] cost model: {problem + '; ' if problem else ''}profiling "
+                f"{spec.model.upper()} on {key['device']} ({key['dtype']}, TP="
+                f"{key['tensor_model_parallel_size']}) once; it will be cached as {path}")
+        need = profile is None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group = None
+    if world > 1:
+        wait_s = max(PROFILE_WAIT_S, cfg.distributed_timeout_minutes * 60)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+        flag = torch.tensor([int(need)])
+        dist.broadcast(flag, 0, group=group)
+        need = bool(flag.item())
+    error = None
+    if need and profiles_here(world):
+        try:
+            profile = build_cost_profile(cfg, spec, device, progress=rank == 0)
+            if rank == 0:
+                save_profile(path, profile)
+                say(f"[train] cost model: profiled in {profile.meta['seconds']} s, wrote {path}")
+        except Exception as err:  # noqa: BLE001 -- every rank reports the same error below
+            error = f"rank {rank}: {type(err).__name__}: {err}"
+    if group is not None:
+        if need:
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, group=group)
+            if failed.item():
+                errors: list = [None] * world
+                dist.all_gather_object(errors, error, group=group)
+                error = "; ".join(e for e in errors if e)
+        dist.destroy_process_group(group)
+    if error:
+        raise CostProfileError(f"--cost-model profile: profiling the cost model failed "
+                               f"({error})")
+    return path
+
+
+def profiles_here(world: int) -> bool:
+    """Whether this rank profiles: it is in global rank 0's tensor-parallel group."""
+    if world == 1:
+        return True
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    return 0 in dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())

@@ -247,7 +247,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size, cost_model=device_costs.cost_model_source(cfg, dp),
+        tp=cfg.tensor_model_parallel_size,
+        cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
         comm=device_costs.comm_model(cfg), replica_split=replica_split(cfg))
 
@@ -347,6 +348,13 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         timeout_s=cfg.distributed_timeout_minutes * 60, total_layers=spec.total_layers,
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
+    if cfg.cost_model == "profile":      # made on first use, then read from the cache
+        try:
+            device_costs.ensure_cost_profile(cfg, spec, layout.rank, layout.device,
+                                             say=(lambda line: print(line, flush=True))
+                                             if verbose else (lambda line: None))
+        except device_costs.CostProfileError as err:
+            raise RunSetupError(str(err)) from err
     if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
@@ -452,7 +460,9 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
           f"{layout.device.type}; micro-batching {cfg.micro_batching}, schedule "
           f"{cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
           f"to the sequence length; iterations {start}..{cfg.train_iters}", flush=True)
-    print(f"[train] planning for {device_costs.device_figures(cfg).describe()}", flush=True)
+    times = "" if cfg.cost_model == "analytic" else "; times from the cost profile"
+    print(f"[train] planning for {device_costs.device_figures(cfg).describe()}{times}",
+          flush=True)
 
 
 def train_step(run: TrainingRun, iteration: int) -> IterationStats:
