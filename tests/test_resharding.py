@@ -16,7 +16,10 @@ from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 COMMON = ["--hidden-size", "32", "--num-attention-heads", "2", "--tokens-per-global-batch",
           "1024", "--lr", "5e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
           "--min-lr", "5e-4", "--train-iters", "4", "--distributed-timeout-minutes", "1",
-          "--num-planner-workers", "0"]
+          "--num-planner-workers", "0",
+          # dropout masks depend on the layout (streams per TP / PP rank), so losses compare
+          # across layouts only without it
+          "--hidden-dropout", "0", "--attention-dropout", "0"]
 RUN = COMMON + ["--num-layers", "4", "--seq-length", "128"]
 T5_RUN = COMMON + ["--encoder-num-layers", "3", "--decoder-num-layers", "1",
                    "--encoder-seq-length", "128", "--decoder-seq-length", "32"]
