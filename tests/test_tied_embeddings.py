@@ -122,3 +122,22 @@ def test_untie_flag(tmp_path):
     assert not parse_args("gpt", base, has_cuda=False).untie_embeddings_and_output_weights
     assert parse_args("gpt", base + ["--untie-embeddings-and-output-weights"],
                       has_cuda=False).untie_embeddings_and_output_weights
+
+
+def test_cost_model_counts_a_tied_matrix_once_per_stage():
+    import dataclasses
+
+    from dynapipe_ext.cost_model import AnalyticCostModel
+    from dynapipe_ext.cost_profile import profile_key
+    tied = dataclasses.replace(GPT, tied_embeddings=True)
+    vocab_bytes = GPT.vocab_size * GPT.hidden_size / 2 * 16
+    untied_one = AnalyticCostModel(GPT, tp=2).model_state_bytes(1)
+    assert AnalyticCostModel(tied, tp=2).model_state_bytes(1)[0] == untied_one[0] - vocab_bytes
+    # on two stages each end holds its own copy, as in Megatron
+    assert AnalyticCostModel(tied, tp=2).model_state_bytes(2) == \
+        AnalyticCostModel(GPT, tp=2).model_state_bytes(2)
+    t5 = dataclasses.replace(T5, tied_embeddings=True)
+    assert AnalyticCostModel(T5).model_state_bytes(1)[0] - \
+        AnalyticCostModel(t5).model_state_bytes(1)[0] == 2 * vocab_bytes * 2
+    # per-kind profiles do not depend on tying, so existing profiles keep matching
+    assert profile_key(tied, 1, "cpu", "float32") == profile_key(GPT, 1, "cpu", "float32")

@@ -162,7 +162,8 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size),
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
-                     max_position_embeddings=cfg.max_position_embeddings)
+                     max_position_embeddings=cfg.max_position_embeddings,
+                     tied_embeddings=not cfg.untie_embeddings_and_output_weights)
 
 
 def model_dtype(cfg: TrainConfig) -> str:
