@@ -238,7 +238,7 @@ def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
         args = gpt2_args(config)
         args = ModelArgs(**{**args.as_dict(), "untie_embeddings_and_output_weights": untie})
         model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True,
-                                                torch_dtype=torch.float32)
+                                                dtype=torch.float32)
         return full_state_from_gpt2(model.state_dict(), args, where=directory), args
     raise ConversionError(f"{directory}: T5 conversion is not implemented yet")
 
