@@ -19,7 +19,8 @@ Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
 tensors of batch_tensors.build_micro_batch (at least the keys of `batch_keys`). It returns the
 tuple for the next stage (GPT / encoder: (hidden,); after the decoder starts: (encoder output,
-decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq].
+decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq] (the logits
+[seq, rows, vocab / tp] when `batch` has no "labels").
 
 Core attention is attention.SDPAttention in every layer spec (torch's fused attention kernels fed
 by the micro-batch's Segments, never a dense mask); megatron-core's bias-GELU and
@@ -29,9 +30,9 @@ SDPAttention as core attention.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import re
-import datetime
 from typing import Mapping
 
 import torch
