@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="import: give the output layer its own copy of the embedding")
     a = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()      # one line of output, not loading / writing bars
     try:
         if a.from_hf:
             full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
