@@ -156,7 +156,8 @@ class AnalyticCostModel(CostModel):
 
     def model_state_bytes(self, num_stages: int) -> list[float]:
         """Parameter + gradient + optimizer bytes of each stage."""
-        return [sum(self.layer_params(k) for k in kinds) * self.bytes_per_param_state
+        return [(sum(self.layer_params(k) for k in kinds)
+                 - self.spec.shared_vocab_params(kinds, self.tp)) * self.bytes_per_param_state
                 for kinds in self.spec.stage_layers(num_stages)]
 
     def activation_memory_limit(self, num_stages: int | None = None) -> float:

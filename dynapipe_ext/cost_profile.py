@@ -74,8 +74,10 @@ def profile_key(spec: ModelSpec, tp: int, device: str, dtype: str) -> dict:
     """What a profile is valid for: every ModelSpec field, the TP degree, device and dtype."""
     if dtype not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"dtype must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {dtype!r}")
-    return {**dataclasses.asdict(spec), "tensor_model_parallel_size": int(tp),
-            "device": str(device), "dtype": dtype}
+    shape = {k: v for k, v in dataclasses.asdict(spec).items()
+             if k != "tied_embeddings"}   # per-kind tables do not depend on it
+    return {**shape, "tensor_model_parallel_size": int(tp), "device": str(device),
+            "dtype": dtype}
 
 
 def profile_file_name(key: dict) -> str:

@@ -26,6 +26,8 @@ class ModelSpec:
     num_decoder_layers: int = 0
     ffn_hidden_size: int = 0      # 0 means 4 * hidden_size
     max_position_embeddings: int = 4096
+    tied_embeddings: bool = False  # output layer (and T5 decoder embedding) share the word
+                                   # embedding: one matrix per stage that holds several uses
 
     def __post_init__(self):
         if self.model not in ("gpt", "t5"):
@@ -43,6 +45,15 @@ class ModelSpec:
     @property
     def total_layers(self) -> int:
         return self.num_layers + self.num_decoder_layers
+
+    def shared_vocab_params(self, kinds: tuple[str, ...], tp: int = 1) -> float:
+        """Parameters (per TP rank) that per-kind counts count twice in a stage of these layer
+        kinds: with tied embeddings the stage's embedding(s) and head are one matrix (copies on
+        other stages are theirs to count)."""
+        uses = sum(k in (EMBEDDING, DEC_EMBEDDING, HEAD) for k in kinds)
+        if not self.tied_embeddings or uses < 2:
+            return 0.0
+        return (uses - 1) * self.vocab_size * self.hidden_size / tp
 
     def stage_layers(self, num_stages: int) -> list[tuple[str, ...]]:
         """Layer kinds of each of `num_stages` (virtual) stages: transformer layers split evenly,

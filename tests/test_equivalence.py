@@ -94,7 +94,8 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
 
     from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
     from megatron.model.init_weights import initialize_stage_weights
-    from megatron.model.stages import build_rank_stages, build_transformer_config
+    from megatron.model.stages import (build_rank_stages, build_transformer_config,
+                                       tied_embedding_group)
     from megatron.training.distributed_setup import pipeline_p2p_groups
     from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
     from megatron.training.handlers import (all_reduce_data_parallel_grads, global_mean_loss,
@@ -112,7 +113,8 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
     initialize_stage_weights(stages, SEED)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
                              parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
-                             bucket_numel=BUCKET_NUMEL)
+                             bucket_numel=BUCKET_NUMEL,
+                             tied_group=tied_embedding_group(spec, schedule.stage_to_rank))
     table = make_handlers(stages, lambda m: build_micro_batch(mbs[m], samples, model, 0),
                           pipeline_p2p_groups(),
                           global_loss_tokens=count_loss_tokens(samples, list(samples)),
@@ -217,7 +219,8 @@ def dead_peer_worker(rank, world_size):
 
     from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
     from megatron.model.init_weights import initialize_stage_weights
-    from megatron.model.stages import build_rank_stages, build_transformer_config
+    from megatron.model.stages import (build_rank_stages, build_transformer_config,
+                                       tied_embedding_group)
     from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
     from megatron.training.handlers import make_handlers
     layout = setup_model_parallel(1, 2, seed=SEED, timeout_s=20)

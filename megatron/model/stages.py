@@ -6,15 +6,21 @@ EMBEDDING (word + learned absolute position embedding), GPT_LAYER / ENC_LAYER / 
 ENC_NORM (T5 encoder final norm), DEC_EMBEDDING (T5 decoder embedding) and HEAD (final norm,
 ColumnParallelLinear output layer, vocab-parallel cross-entropy).
 
-Embeddings are untied: the output layer and the T5 decoder embedding have their own weights, so
-no weight is shared between stages and no embedding-group all-reduce is needed (Megatron ties
-them by default; we choose not to, which changes nothing but the parameter count).
+Word embeddings are tied by default, as in Megatron: the output layer (and the T5 decoder
+embedding) use the input word embedding's weight, global name `embedding.word_embeddings.weight`.
+Within one stage module it is one Parameter; stages that hold a copy elsewhere (another stage
+module, maybe on another pipeline rank) start from the same value (same global name, same init)
+and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the group
+of tied_embedding_group), so the copies stay equal. `tie_embeddings=False` (Megatron's
+`--untie-embeddings-and-output-weights`) gives the output layer (`output_layer.weight`) and the
+T5 decoder embedding their own weights.
 
 Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by the previous
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
 tensors of batch_tensors.build_micro_batch (at least the keys of `batch_keys`). It returns the
 tuple for the next stage (GPT / encoder: (hidden,); after the decoder starts: (encoder output,
-decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq].
+decoder hidden)) or, on the HEAD stage, the per-token losses [rows, seq] (the logits
+[seq, rows, vocab / tp] when `batch` has no "labels").
 
 Core attention is attention.SDPAttention in every layer spec (torch's fused attention kernels fed
 by the micro-batch's Segments, never a dense mask); megatron-core's bias-GELU and
@@ -24,6 +30,7 @@ SDPAttention as core attention.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import re
 from typing import Mapping
@@ -71,6 +78,15 @@ except ImportError:
     HAVE_TE = False
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TIED_EMBEDDING = "embedding.word_embeddings.weight"   # global name of the tied word embedding
+# local names of the other copies of the tied word embedding
+TIED_COPIES = ("decoder_embedding.word_embeddings.weight", "head.output_layer.weight")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeLU, tanh approximation: what GPT-2 (`gelu_new`), T5 v1.1 (`gelu_new`) and megatron-core's
+    fused bias-GeLU compute, so fused and unfused runs agree."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
@@ -83,6 +99,8 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     bias-dropout-add fusions. They are torch.compile'd: on CPU they run, but each new shape
     costs tens of seconds of compilation and the compiled kernels were slower than eager
     (bias-GELU fwd+bwd 176 vs 76 ms at [512, 4, 1024], one thread), so CPU runs leave them off.
+    Unfused runs use gelu_tanh, the same function as the fusion (megatron-core's default
+    activation, exact F.gelu, would make CPU and GPU runs differ and would not match GPT-2).
     Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
     persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use.
     Dropout defaults to 0 here (tests and tools compare exact numbers); the trainer passes
@@ -113,6 +131,8 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         apply_rope_fusion=False,
         sequence_parallel=False,
         cuda_graph_scope=[],   # no CUDA graphs; silences megatron-core's "full scope" warning
+        # megatron-core fuses F.gelu as its tanh approximation; unfused, say so explicitly
+        activation_func=torch.nn.functional.gelu if fused else gelu_tanh,
     )
     set_recompute(config, recompute)
     return config
@@ -190,8 +210,12 @@ class OutputHead(torch.nn.Module):
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False)
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Per-token losses [rows, seq]; without labels, this TP rank's vocabulary slice of
+        the logits [seq, rows, vocab / tp] (inference and the checkpoint-import tests)."""
         logits, _ = self.output_layer(self.final_norm(hidden))
+        if labels is None:
+            return logits
         losses = tensor_parallel.vocab_parallel_cross_entropy(
             logits.float(), labels.transpose(0, 1).contiguous())
         return losses.transpose(0, 1).contiguous()   # [rows, seq]
@@ -201,10 +225,11 @@ class StageModule(torch.nn.Module):
     """The layers of one pipeline stage; see the module docstring for the forward contract."""
 
     def __init__(self, spec: ModelSpec, num_stages: int, stage: int,
-                 config: TransformerConfig):
+                 config: TransformerConfig, tie_embeddings: bool = True):
         super().__init__()
         self.spec, self.stage, self.num_stages = spec, stage, num_stages
         self.config = config
+        self.tie_embeddings = tie_embeddings
         self.kinds = spec.stage_layers(num_stages)[stage]
         per_stage = spec.total_layers // num_stages
         first_layer = stage * per_stage        # global index of this stage's first layer
@@ -235,6 +260,22 @@ class StageModule(torch.nn.Module):
         # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
         # position embeddings and local-spec norms fp32); the loss is fp32 (OutputHead)
         self.to(dtype=config.params_dtype)
+        if tie_embeddings:
+            self._tie_word_embeddings()
+
+    def _tie_word_embeddings(self) -> None:
+        """One Parameter for every word-embedding copy of this stage; marks it `tied_embedding`
+        (GradBuffer sums the copies' gradients) and, on stages without the input embedding,
+        `shared` (megatron-core's mark: left out of the gradient norm, counted once there)."""
+        holders = [m.word_embeddings for m in (self.embedding, self.decoder_embedding)
+                   if m is not None] + ([self.head.output_layer] if self.head else [])
+        if not holders:
+            return
+        weight = holders[0].weight
+        for module in holders[1:]:
+            module.weight = weight
+        weight.tied_embedding = True
+        weight.shared = not self.has_embedding
 
     # ---- global parameter names (independent of TP/PP layout) ----
     def global_name(self, local_name: str) -> str:
@@ -250,6 +291,8 @@ class StageModule(torch.nn.Module):
             else:
                 offset = max(self.first_decoder_layer, 0)
             return f"{block}.layers.{idx + offset}.{rest}"
+        if self.tie_embeddings and local_name in TIED_COPIES:
+            return TIED_EMBEDDING
         if local_name.startswith("head."):
             return local_name[len("head."):]
         return local_name
@@ -283,7 +326,7 @@ class StageModule(torch.nn.Module):
         if self.decoder is not None:
             hidden = self.decoder(hidden, AttentionMask.of(batch["segments"]))
         if self.has_head:
-            return self.head(hidden, batch["labels"])
+            return self.head(hidden, batch.get("labels"))
         return (hidden,)
 
     def _forward_t5(self, inputs, batch):
@@ -304,26 +347,66 @@ class StageModule(torch.nn.Module):
                                context_mask=AttentionMask.of(batch["dec_segments"],
                                                              batch["enc_segments"]))
         if self.has_head:
-            return self.head(dec, batch["labels"])
+            return self.head(dec, batch.get("labels"))
         return (enc,) if dec is None else (enc, dec)
+
+
+def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...]) -> tuple[int, ...]:
+    """Pipeline ranks that hold a copy of the tied word embedding (the stages with the input
+    embedding, the T5 decoder embedding or the head), sorted."""
+    kinds = spec.stage_layers(len(stage_to_rank))
+    return tuple(sorted({stage_to_rank[s] for s, k in enumerate(kinds)
+                         if EMBEDDING in k or DEC_EMBEDDING in k or HEAD in k}))
 
 
 def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: int,
                       config: TransformerConfig,
-                      device: torch.device | str | None = None) -> dict[int, StageModule]:
+                      device: torch.device | str | None = None,
+                      tie_embeddings: bool = True) -> dict[int, StageModule]:
     """The stage modules pipeline rank `pp_rank` holds under `stage_to_rank`
     (stage index -> module, in stage order), built on the CPU and moved to `device` if given.
-    Weights are not yet set: call init_weights.initialize_stage_weights next."""
+    Weights are not yet set: call init_weights.initialize_stage_weights next.
+    With `tie_embeddings`, each tied word-embedding copy records `tied_ranks`, the pipeline
+    ranks holding one (GradBuffer needs tied_embedding_group when that is more than one)."""
     num_stages = len(stage_to_rank)
     if pp_rank not in stage_to_rank:
         raise ValueError(f"pipeline rank {pp_rank} holds no stage in layout {stage_to_rank}")
     spec.stage_layers(num_stages)   # raises when the layers do not split evenly
-    stages = {s: StageModule(spec, num_stages, s, config)
+    stages = {s: StageModule(spec, num_stages, s, config, tie_embeddings)
               for s, r in enumerate(stage_to_rank) if r == pp_rank}
+    holders = embedding_holders(spec, stage_to_rank)
+    for module in stages.values():
+        for param in module.parameters():
+            if getattr(param, "tied_embedding", False):
+                param.tied_ranks = holders
     if device is not None:
         for module in stages.values():
             module.to(device)
     return stages
+
+
+def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                         tie_embeddings: bool = True, timeout_s: float = 120.0):
+    """The process group over which this rank's tied word-embedding gradients are summed (the
+    ranks of its pipeline that hold a copy; megatron-core's embedding group only knows the first
+    and last pipeline rank, while a wave layout or the T5 decoder embedding puts copies
+    elsewhere). Collective: every rank calls it; None where there is nothing to reduce across
+    ranks or this rank holds no copy."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    holders = embedding_holders(spec, stage_to_rank)
+    if not tie_embeddings or len(holders) < 2 or not dist.is_initialized():
+        return None
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    group = None
+    for ranks in sorted({tuple(r) for r in everyone}):   # same creation order on every rank
+        members = [ranks[r] for r in holders]
+        made = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
+        if dist.get_rank() in members:
+            group = made
+    return group
 
 
 def stage_parameters(rank_stages: Mapping[int, StageModule]):

@@ -107,6 +107,7 @@ class TrainConfig:
     p2p_latency_us: float | None = None
     replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
     cost_model_cache_dir: str | None = None     # --cost-model profile (None: ~/.cache/...)
+    untie_embeddings_and_output_weights: bool = False   # Megatron's default: tied
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -365,6 +366,10 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help=t5_only("T5 decoder max tokens, default 128"))
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the longest sequence length")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="give the output layer (and the T5 decoder embedding) their own "
+                        "weights; by default they share the input word embedding, as in "
+                        "Megatron")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -604,7 +609,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         device_flops=args.device_flops,
         device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
         p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us,
-        cost_model_cache_dir=args.cost_model_cache_dir)
+        cost_model_cache_dir=args.cost_model_cache_dir,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
 
 
 def config_field_names() -> list[str]:

@@ -13,7 +13,10 @@ final is all-reduced asynchronously on the data-parallel group. Buckets never sp
 are launched in one fixed order (stages from last to first, parameters in reverse registration
 order, i.e. roughly the order backward produces them), so every replica issues the same
 collectives in the same order even if its autograd engine fires hooks in another order.
-`finish` launches whatever is left and waits for all of it.
+`finish` launches whatever is left and waits for all of it, then sums the gradients of the tied
+word-embedding copies (parameters marked `tied_embedding` by stages.StageModule): over the copies
+this rank holds, then over `tied_group` (stages.tied_embedding_group), Megatron's embedding-group
+all-reduce, so every copy takes the same optimizer step.
 
 Why not megatron.core.distributed.DistributedDataParallel: in megatron-core 0.16.1 its
 _ParamAndGradBuffer allocates the grad buffer with `device=torch.cuda.current_device()`, so it
@@ -68,7 +71,7 @@ class GradBuffer:
     (see the module docstring). `stage_params`: stage index -> that stage's parameters."""
 
     def __init__(self, stage_params: Mapping[int, Sequence[torch.nn.Parameter]], dp_group=None,
-                 bucket_numel: int | None = None, overlap: bool = True):
+                 bucket_numel: int | None = None, overlap: bool = True, tied_group=None):
         order = [(s, p) for s in sorted(stage_params, reverse=True)
                  for p in reversed([p for p in stage_params[s] if p.requires_grad])]
         if not order:
@@ -85,6 +88,13 @@ class GradBuffer:
                              "second optimizer or GradBuffer on the same model?)")
         self.dp_group = dp_group
         self.overlap = overlap
+        self.tied = [p for _, p in order if getattr(p, "tied_embedding", False)]
+        self.tied_group = tied_group
+        spread = sorted({r for p in self.tied for r in getattr(p, "tied_ranks", ())})
+        if len(spread) > 1 and tied_group is None:
+            raise ValueError(f"the tied word embedding has copies on pipeline ranks {spread}; "
+                             "pass tied_group=stages.tied_embedding_group(...) so their "
+                             "gradients are summed")
         self.data = torch.zeros(total, dtype=torch.float32, device=order[0][1].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -179,12 +189,25 @@ class GradBuffer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+        self._sum_tied()
         self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
                            "wait_s": time.perf_counter() - start, "called_at": called_at,
                            "done_at": time.time()}
         self._reset_iteration()
         self._reduced = True
         return self.last_stats
+
+    def _sum_tied(self) -> None:
+        """Every tied word-embedding copy gets the sum of all copies' gradients."""
+        if not self.tied or (len(self.tied) < 2 and self.tied_group is None):
+            return
+        total = self.tied[0].main_grad.clone()
+        for param in self.tied[1:]:
+            total += param.main_grad
+        if self.tied_group is not None:
+            dist.all_reduce(total, group=self.tied_group)
+        for param in self.tied:
+            param.main_grad.copy_(total)
 
     def zero(self) -> None:
         """Clear every main gradient for the next iteration (one fill of the buffer)."""

@@ -33,7 +33,8 @@ from megatron.data.split import PARTS, parse_split, split_indices
 from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
-from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters
+from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
+                                   tied_embedding_group)
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
@@ -211,7 +212,8 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size),
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
-                     max_position_embeddings=cfg.max_position_embeddings)
+                     max_position_embeddings=cfg.max_position_embeddings,
+                     tied_embeddings=not cfg.untie_embeddings_and_output_weights)
 
 
 def model_dtype(cfg: TrainConfig) -> str:
@@ -226,7 +228,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
                                       hidden_dropout=cfg.hidden_dropout,
                                       attention_dropout=cfg.attention_dropout,
                                       fused=layout.device.type == "cuda")
-    stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config)
+    stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config,
+                               tie_embeddings=not cfg.untie_embeddings_and_output_weights)
     initialize_stage_weights(stages, cfg.seed)
     return {s: m.to(layout.device) for s, m in stages.items()}
 
@@ -359,8 +362,12 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     stages = build_stages(cfg, spec, layout, stage_to_rank)
+    tied_group = tied_embedding_group(spec, stage_to_rank,
+                                      not cfg.untie_embeddings_and_output_weights,
+                                      cfg.distributed_timeout_minutes * 60)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
-                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None)
+                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
+                             tied_group=tied_group)
     optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
                                parallel_state.get_model_parallel_group(), grad_buffer)
     start = 0

@@ -1,0 +1,282 @@
+"""Hugging Face `transformers` checkpoints <-> this project's layout-free full state.
+
+A full state is {global parameter name (stages.StageModule.global_name): full tensor}
+(full_state.py); `load_full_state` slices it for any TP rank. The functions here are pure
+renames and reshapes of tensors, both ways, plus the model shape a state needs (`ModelArgs`):
+
+* GPT2LMHeadModel: HF's Conv1D stores weights as [in, out], megatron-core's linears as
+  [out, in], so every matrix is transposed. HF's fused c_attn output is [q of all heads,
+  k of all heads, v of all heads]; megatron-core's linear_qkv packs per head (query group)
+  [q_h, k_h, v_h] (see SelfAttention.get_query_key_value_tensors), so rows are regrouped.
+  The word embedding is tied to the output layer (GPT-2's lm_head is wte).
+
+Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
+multiple of 128 x TP); `fit_vocab` pads a full state's vocabulary rows the way Megatron's
+converters do (copies of the last row) and `hf_from_*` drops them again.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+import torch
+
+from megatron.model.stages import TIED_EMBEDDING
+
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+VOCAB_ROWS = (TIED_EMBEDDING, "output_layer.weight",
+              "decoder_embedding.word_embeddings.weight")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What a converted state needs from the model built to hold it (the training flags of the
+    same names: --num-layers, --hidden-size, ...)."""
+
+    model: str                     # "gpt" or "t5"
+    num_layers: int                # GPT layers / T5 encoder layers
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int                # the checkpoint's vocabulary (before padding)
+    max_position_embeddings: int
+    decoder_num_layers: int = 0
+    untie_embeddings_and_output_weights: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def spec(self, vocab_rows: int | None = None):
+        """The ModelSpec of this model with `vocab_rows` (default: the unpadded vocabulary)."""
+        from dynapipe_ext.model_spec import ModelSpec
+        return ModelSpec(model=self.model, num_layers=self.num_layers,
+                         hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads,
+                         vocab_size=vocab_rows or self.vocab_size,
+                         num_decoder_layers=self.decoder_num_layers,
+                         ffn_hidden_size=self.ffn_hidden_size,
+                         max_position_embeddings=self.max_position_embeddings)
+
+
+class ConversionError(ValueError):
+    """A checkpoint this converter cannot map; the message names what and where."""
+
+
+# ---------------------------------------------------------------- QKV row layouts
+
+def qkv_from_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF fused rows [q(all heads); k; v] -> megatron-core rows [q_h, k_h, v_h per head].
+    Works on a weight [3h, in] or a bias [3h]."""
+    rest = tensor.shape[1:]
+    d = tensor.shape[0] // (3 * heads)
+    return tensor.reshape(3, heads, d, *rest).transpose(0, 1).reshape(3 * heads * d, *rest)
+
+
+def qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of qkv_from_hf."""
+    rest = tensor.shape[1:]
+    d = tensor.shape[0] // (3 * heads)
+    return tensor.reshape(heads, 3, d, *rest).transpose(0, 1).reshape(3 * heads * d, *rest)
+
+
+# ---------------------------------------------------------------- GPT-2
+
+def gpt2_args(config) -> ModelArgs:
+    """ModelArgs of a transformers GPT2Config; ConversionError for GPT-2 variants the
+    megatron-core layers do not compute."""
+    problems = []
+    if config.activation_function not in GELU_TANH:
+        problems.append(f"activation_function {config.activation_function!r} (only the tanh "
+                        f"GeLU {GELU_TANH} is supported)")
+    if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx \
+            or config.reorder_and_upcast_attn:
+        problems.append("non-default attention scaling (scale_attn_weights False, "
+                        "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn)")
+    if abs(config.layer_norm_epsilon - 1e-5) > 1e-12:
+        problems.append(f"layer_norm_epsilon {config.layer_norm_epsilon} (the model uses 1e-5)")
+    if problems:
+        raise ConversionError("GPT-2 config: " + "; ".join(problems))
+    return ModelArgs(model="gpt", num_layers=config.n_layer, hidden_size=config.n_embd,
+                     num_attention_heads=config.n_head,
+                     ffn_hidden_size=config.n_inner or 4 * config.n_embd,
+                     vocab_size=config.vocab_size, max_position_embeddings=config.n_positions)
+
+
+def _gpt2_layer_pairs(i: int) -> list[tuple[str, str, str]]:
+    """(HF name, our name, how) for layer i; how: 'copy', 't' (transpose) or 'qkv'."""
+    hf, ours = f"transformer.h.{i}.", f"decoder.layers.{i}."
+    return [(hf + "ln_1.weight", ours + "input_layernorm.weight", "copy"),
+            (hf + "ln_1.bias", ours + "input_layernorm.bias", "copy"),
+            (hf + "attn.c_attn.weight", ours + "self_attention.linear_qkv.weight", "qkv"),
+            (hf + "attn.c_attn.bias", ours + "self_attention.linear_qkv.bias", "qkv"),
+            (hf + "attn.c_proj.weight", ours + "self_attention.linear_proj.weight", "t"),
+            (hf + "attn.c_proj.bias", ours + "self_attention.linear_proj.bias", "copy"),
+            (hf + "ln_2.weight", ours + "pre_mlp_layernorm.weight", "copy"),
+            (hf + "ln_2.bias", ours + "pre_mlp_layernorm.bias", "copy"),
+            (hf + "mlp.c_fc.weight", ours + "mlp.linear_fc1.weight", "t"),
+            (hf + "mlp.c_fc.bias", ours + "mlp.linear_fc1.bias", "copy"),
+            (hf + "mlp.c_proj.weight", ours + "mlp.linear_fc2.weight", "t"),
+            (hf + "mlp.c_proj.bias", ours + "mlp.linear_fc2.bias", "copy")]
+
+
+def _gpt2_pairs(args: ModelArgs) -> list[tuple[str, str, str]]:
+    pairs = [("transformer.wte.weight", TIED_EMBEDDING, "copy"),
+             ("transformer.wpe.weight", "embedding.position_embeddings.weight", "copy")]
+    for i in range(args.num_layers):
+        pairs += _gpt2_layer_pairs(i)
+    return pairs + [("transformer.ln_f.weight", "final_norm.weight", "copy"),
+                    ("transformer.ln_f.bias", "final_norm.bias", "copy")]
+
+
+def _conv1d_qkv_from_hf(tensor: torch.Tensor, how: str, heads: int) -> torch.Tensor:
+    if how == "copy":
+        return tensor
+    if tensor.ndim == 2:
+        tensor = tensor.t()             # Conv1D [in, out] -> [out, in]
+    return qkv_from_hf(tensor, heads) if how == "qkv" else tensor
+
+
+def _conv1d_qkv_to_hf(tensor: torch.Tensor, how: str, heads: int) -> torch.Tensor:
+    if how == "copy":
+        return tensor
+    if how == "qkv":
+        tensor = qkv_to_hf(tensor, heads)
+    return tensor.t() if tensor.ndim == 2 else tensor
+
+
+def _take(hf_state: Mapping[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    if name not in hf_state:
+        raise ConversionError(f"{where}: tensor {name} is missing")
+    return hf_state[name]
+
+
+def full_state_from_gpt2(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
+                         where: str = "GPT-2 checkpoint") -> dict[str, torch.Tensor]:
+    """Full state of our GPT from a GPT2LMHeadModel state dict (fp32, contiguous). With
+    `args.untie_embeddings_and_output_weights` the output layer gets its own copy of the
+    (tied) embedding."""
+    full = {ours: _conv1d_qkv_from_hf(_take(hf_state, hf, where).float(), how,
+                                      args.num_attention_heads).contiguous()
+            for hf, ours, how in _gpt2_pairs(args)}
+    if "lm_head.weight" in hf_state and not torch.equal(hf_state["lm_head.weight"],
+                                                        hf_state["transformer.wte.weight"]):
+        raise ConversionError(f"{where}: lm_head.weight differs from transformer.wte.weight; "
+                              "GPT-2's output layer is tied to its embedding")
+    if args.untie_embeddings_and_output_weights:
+        full["output_layer.weight"] = full[TIED_EMBEDDING].clone()
+    return full
+
+
+def gpt2_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
+                         where: str = "full state") -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel state dict (without the tied lm_head) from our GPT's full state; padded
+    vocabulary rows are dropped. An untied output layer cannot be expressed in GPT-2."""
+    if args.untie_embeddings_and_output_weights and not torch.equal(
+            full["output_layer.weight"], full[TIED_EMBEDDING]):
+        raise ConversionError(f"{where}: the output layer is untied from the word embedding; "
+                              "GPT2LMHeadModel ties them")
+    hf = {hf: _conv1d_qkv_to_hf(_take(full, ours, where), how,
+                                args.num_attention_heads).contiguous()
+          for hf, ours, how in _gpt2_pairs(args)}
+    hf["transformer.wte.weight"] = hf["transformer.wte.weight"][:args.vocab_size].contiguous()
+    return hf
+
+
+def gpt2_config(args: ModelArgs):
+    """transformers GPT2Config for a model of `args`."""
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=args.vocab_size, n_positions=args.max_position_embeddings,
+                      n_embd=args.hidden_size, n_layer=args.num_layers,
+                      n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
+                      activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                      tie_word_embeddings=True)
+
+
+# ---------------------------------------------------------------- vocabulary padding
+
+def fit_vocab(full: Mapping[str, torch.Tensor], vocab_rows: int,
+              where: str = "full state") -> dict[str, torch.Tensor]:
+    """The state with every vocabulary-sized tensor padded to `vocab_rows` rows with copies of
+    its last row (Megatron's converters do the same; the rows belong to no token). Padding
+    only: fewer rows than the state has is a ConversionError."""
+    out = dict(full)
+    for name in VOCAB_ROWS:
+        if name not in out:
+            continue
+        rows = out[name].shape[0]
+        if rows > vocab_rows:
+            raise ConversionError(f"{where}: {name} has {rows} vocabulary rows, more than the "
+                                  f"model's {vocab_rows}")
+        if rows < vocab_rows:
+            extra = out[name][-1:].expand(vocab_rows - rows, -1)
+            out[name] = torch.cat([out[name], extra]).contiguous()
+    return out
+
+
+# ---------------------------------------------------------------- files
+
+FULL_STATE_FILE = "model_full_state.pt"   # {global name: full tensor}, weights_only-loadable
+ARGS_FILE = "model_args.json"             # ModelArgs, and the flags to train it with
+
+
+def hf_kind(config) -> str:
+    """'gpt' for a GPT-2 config, 't5' for a T5 one; ConversionError otherwise."""
+    kinds = {"gpt2": "gpt", "t5": "t5"}
+    if config.model_type not in kinds:
+        raise ConversionError(f"model_type {config.model_type!r}: only GPT-2 "
+                              "(GPT2LMHeadModel) and T5 (T5ForConditionalGeneration) convert")
+    return kinds[config.model_type]
+
+
+def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
+    """(full state, ModelArgs) of a transformers checkpoint directory (config.json plus
+    safetensors / bin weights, as save_pretrained writes them; nothing is downloaded)."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    kind = hf_kind(config)
+    if kind == "gpt":
+        args = gpt2_args(config)
+        args = ModelArgs(**{**args.as_dict(), "untie_embeddings_and_output_weights": untie})
+        model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True,
+                                                dtype=torch.float32)
+        return full_state_from_gpt2(model.state_dict(), args, where=directory), args
+    raise ConversionError(f"{directory}: T5 conversion is not implemented yet")
+
+
+def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> None:
+    """Save our full state as a transformers checkpoint directory (save_pretrained)."""
+    from transformers import GPT2LMHeadModel
+    if args.model != "gpt":
+        raise ConversionError(f"{directory}: export of {args.model!r} is not implemented yet")
+    model = GPT2LMHeadModel(gpt2_config(args))
+    missing, unexpected = model.load_state_dict(gpt2_from_full_state(full, args), strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise ConversionError(f"{directory}: GPT-2 export left {missing} unset and "
+                              f"{unexpected} unused")
+    model.tie_weights()
+    model.save_pretrained(directory)
+
+
+def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> str:
+    """Save a converted model for training: the one place where the on-disk form is chosen
+    (today the full state and its ModelArgs; a layout-free checkpoint that `--load DIR
+    --finetune` reads once checkpoints are layout-free). Returns the weights file."""
+    import json
+    import os
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, FULL_STATE_FILE)
+    torch.save({name: t.contiguous() for name, t in full.items()}, path)
+    with open(os.path.join(directory, ARGS_FILE), "w") as f:
+        json.dump(args.as_dict(), f, indent=1)
+    return path
+
+
+def read_converted(directory: str) -> tuple[dict, ModelArgs]:
+    """(full state, ModelArgs) written by write_converted."""
+    import json
+    import os
+    with open(os.path.join(directory, ARGS_FILE)) as f:
+        args = ModelArgs(**json.load(f))
+    full = torch.load(os.path.join(directory, FULL_STATE_FILE), map_location="cpu",
+                      weights_only=True)
+    return full, args

@@ -1,0 +1,210 @@
+"""Hugging Face checkpoints in and out (issue 15): a random-initialised transformers model saved
+with save_pretrained, imported with tools/convert_checkpoint.py, gives the same logits in our
+stage modules (TP=1 in this process; TP=2 x PP=2 over gloo, each rank loading its slices with
+load_full_state) as in transformers, fp32, within 1e-4 of the logit scale; exporting the import
+gives back the same tensors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.model.hf_convert import (ConversionError, ModelArgs, fit_vocab, qkv_from_hf,
+                                       qkv_to_hf, read_converted, read_hf)
+from multiproc import run_in_processes, single_process_world
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-4      # max abs logit difference / max abs logit
+# (layers, hidden, heads, vocab, positions): 3 and 12 heads, not powers of two
+GPT_CONFIGS = [(2, 24, 3, 256, 32), (3, 48, 12, 512, 40), (1, 64, 4, 256, 16)]
+
+
+def random_gpt2(directory, layers, hidden, heads, vocab, positions, seed=0):
+    """A GPT2LMHeadModel with every weight random (norms and biases too, so a wrong mapping
+    of any of them shows), saved with save_pretrained."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden,
+                                     n_layer=layers, n_head=heads)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def token_rows(vocab, rows=3, seq=11, seed=1):
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, vocab, (rows, seq)))
+
+
+def gpt_batch(tokens):
+    """Micro-batch tensors of rows of whole samples (no labels: the head returns logits)."""
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    samples = {i: (row.numpy(), row.numpy(), np.ones(len(row), np.float32))
+               for i, row in enumerate(tokens)}
+    batch = build_micro_batch(unsplit_micro_batch(sorted(samples), samples, "gpt"), samples,
+                              "gpt", 0)
+    batch.pop("labels")
+    return batch
+
+
+def convert(hf_dir, out_dir, *extra):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--from-hf", str(hf_dir), "--to", str(out_dir), *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def assert_close_logits(ours, theirs):
+    scale = float(theirs.abs().max())
+    worst = float((ours - theirs).abs().max())
+    assert worst <= TOLERANCE * scale, f"max abs diff {worst:.3g}, logit scale {scale:.3g}"
+
+
+def test_qkv_regrouping_is_per_head_and_invertible():
+    heads, d = 3, 2
+    hf = torch.arange(3 * heads * d)           # [q0 q0 q1 q1 q2 q2 k0 k0 ... v2 v2]
+    ours = qkv_from_hf(hf, heads)
+    # head 1 of megatron-core: its q, k, v rows, in that order
+    assert ours[6:12].tolist() == [2, 3, 8, 9, 14, 15]
+    assert torch.equal(qkv_to_hf(ours, heads), hf)
+    w = torch.randn(3 * heads * d, 5)
+    assert torch.equal(qkv_to_hf(qkv_from_hf(w, heads), heads), w)
+
+
+@pytest.mark.parametrize("shape", GPT_CONFIGS)
+@pytest.mark.parametrize("untie", [False, True])
+def test_gpt2_logits_match_transformers_tp1(tmp_path, shape, untie):
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    hf_model = random_gpt2(tmp_path / "hf", *shape)
+    tokens = token_rows(shape[3])
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+    full, args = read_hf(str(tmp_path / "hf"), untie=untie)
+    assert ("output_layer.weight" in full) == untie
+    torch.set_num_threads(1)
+    with single_process_world(seed=3):
+        spec = args.spec()
+        stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
+                                   tie_embeddings=not untie)
+        assert load_full_state(stage_parameters(stages), full, 0, 1, "import") == len(
+            dict(stage_parameters(stages)))
+        with torch.no_grad():
+            ours = stages[0]((), gpt_batch(tokens)).transpose(0, 1)
+    assert_close_logits(ours, theirs)
+    # a deliberately wrong QKV layout is caught by the same comparison
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    with single_process_world(seed=3):
+        stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
+                                   tie_embeddings=not untie)
+        broken = dict(full, **{name: qkv_to_hf(full[name], args.num_attention_heads)})
+        load_full_state(stage_parameters(stages), broken, 0, 1, "import")
+        with torch.no_grad():
+            wrong = stages[0]((), gpt_batch(tokens)).transpose(0, 1)
+    assert float((wrong - theirs).abs().max()) > 100 * TOLERANCE * float(theirs.abs().max())
+
+
+def parallel_logits_worker(rank, world_size, converted_dir, tokens):
+    """TP=2 x PP=2: every rank builds its stage, loads its slices from the converted full
+    state; the first pipeline stage sends its hidden state on; the last one's TP ranks gather
+    the vocabulary slices of the logits. Returns [rows, seq, vocab] on the last stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    from megatron.training.distributed_setup import setup_model_parallel
+    full, args = read_converted(converted_dir)
+    layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
+    spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
+    stages = build_rank_stages(spec, (0, 1), layout.pp_rank,
+                               build_transformer_config(spec, tp=2, pp=2),
+                               tie_embeddings=not args.untie_embeddings_and_output_weights)
+    load_full_state(stage_parameters(stages), full, layout.tp_rank, 2, converted_dir)
+    batch = gpt_batch(tokens)
+    pipe = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    with torch.no_grad():
+        if layout.pp_rank == 0:
+            (hidden,) = stages[0]((), batch)
+            dist.send(hidden.contiguous(), pipe[1])
+            return None
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], spec.hidden_size)
+        dist.recv(hidden, pipe[0])
+        part = stages[1]((hidden,), batch)
+        parts = [torch.empty_like(part) for _ in range(2)]
+        dist.all_gather(parts, part.contiguous(),
+                        group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).transpose(0, 1).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,untie", [(GPT_CONFIGS[1], False), ((2, 36, 6, 256, 24), True)])
+def test_gpt2_logits_match_transformers_tp2_pp2(tmp_path, shape, untie):
+    layers, hidden, heads, vocab, positions = shape
+    shape = (layers + layers % 2, hidden, heads, vocab, positions)   # two pipeline stages
+    hf_model = random_gpt2(tmp_path / "hf", *shape)
+    tokens = token_rows(vocab)
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+    convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2",
+            *(["--untie-embeddings-and-output-weights"] if untie else []))
+    results = run_in_processes(parallel_logits_worker, 4, (str(tmp_path / "ours"), tokens),
+                               timeout_s=300)
+    last = [r for r in results if r is not None]
+    assert len(last) == 2 and np.array_equal(last[0], last[1])
+    ours = torch.from_numpy(last[0])
+    assert ours.shape[-1] >= vocab           # padded for TP=2; padded rows belong to no token
+    assert_close_logits(ours[..., :vocab], theirs)
+
+
+def test_export_then_import_is_identity(tmp_path):
+    random_gpt2(tmp_path / "hf", *GPT_CONFIGS[1])
+    out = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "--num-layers 3 --hidden-size 48 --num-attention-heads 12" in out
+    full, args = read_converted(str(tmp_path / "ours"))
+    assert full["embedding.word_embeddings.weight"].shape[0] == 512   # 512 is a multiple of 256
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    a = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
+    b = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").state_dict()
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    again, _ = read_hf(str(tmp_path / "back"))
+    assert sorted(again) == sorted(full)
+    assert all(torch.equal(again[k], full[k]) for k in full)
+
+
+def test_vocab_padding_copies_the_last_row_and_never_truncates():
+    full = {"embedding.word_embeddings.weight": torch.arange(6.0).reshape(3, 2)}
+    padded = fit_vocab(full, 5)["embedding.word_embeddings.weight"]
+    assert padded.tolist() == [[0, 1], [2, 3], [4, 5], [4, 5], [4, 5]]
+    with pytest.raises(ConversionError, match="3 vocabulary rows, more than the model's 2"):
+        fit_vocab(full, 2)
+
+
+def test_unsupported_gpt2_variant_is_a_clear_error(tmp_path):
+    config = transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=8, n_layer=1,
+                                     n_head=2, activation_function="relu")
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "relu")
+    with pytest.raises(ConversionError, match="activation_function 'relu'"):
+        read_hf(str(tmp_path / "relu"))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--from-hf", str(tmp_path / "relu"), "--to", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "activation_function 'relu'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_model_args_build_the_spec():
+    args = ModelArgs("gpt", 2, 24, 3, 96, 250, 32)
+    assert args.spec(256).vocab_size == 256 and args.spec().ffn_size == 96

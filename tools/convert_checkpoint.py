@@ -1,0 +1,76 @@
+"""Convert Hugging Face GPT-2 checkpoints to this project's model state and back
+(megatron/model/hf_convert.py does the mapping).
+
+    # import: a save_pretrained directory on disk -> a directory that training loads
+    python tools/convert_checkpoint.py --from-hf /models/gpt2 --to /ckpt/gpt2-import \\
+        [--target-tensor-parallel-size 2] [--untie-embeddings-and-output-weights]
+    # export: a converted directory -> a save_pretrained directory
+    python tools/convert_checkpoint.py --to-hf /ckpt/gpt2-import --to /models/gpt2-back
+
+The import pads the vocabulary to what a training run at --target-tensor-parallel-size builds
+(training.padded_vocab_size) and prints the model flags to train with. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# one line of output per outcome: no notices from megatron-core's imports or transformers
+warnings.filterwarnings(
+    "ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from megatron.model.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
+                                       read_hf, write_converted, write_hf)
+from megatron.training.training import padded_vocab_size  # noqa: E402
+
+
+def training_flags(args) -> str:
+    """The model flags of pretrain_*.py that build the converted model."""
+    layers = (f"--num-layers {args.num_layers}" if args.model == "gpt" else
+              f"--encoder-num-layers {args.num_layers} "
+              f"--decoder-num-layers {args.decoder_num_layers}")
+    flags = (f"{layers} --hidden-size {args.hidden_size} "
+             f"--num-attention-heads {args.num_attention_heads} "
+             f"--ffn-hidden-size {args.ffn_hidden_size} "
+             f"--max-position-embeddings {args.max_position_embeddings}")
+    if args.untie_embeddings_and_output_weights:
+        flags += " --untie-embeddings-and-output-weights"
+    return flags
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="transformers checkpoint directory")
+    src.add_argument("--to-hf", metavar="DIR", help="a directory this tool converted into")
+    p.add_argument("--to", metavar="DIR", required=True, help="output directory")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                   help="pad the vocabulary as a run at this TP does (default 1)")
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="import: give the output layer its own copy of the embedding")
+    a = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()      # one line of output, not loading / writing bars
+    try:
+        if a.from_hf:
+            full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
+            rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size)
+            path = write_converted(fit_vocab(full, rows, a.from_hf), args, a.to)
+            print(f"wrote {path} ({len(full)} tensors, vocabulary {args.vocab_size} padded to "
+                  f"{rows}); train with: {training_flags(args)}")
+        else:
+            full, args = read_converted(a.to_hf)
+            write_hf(full, args, a.to)
+            print(f"wrote a transformers checkpoint to {a.to}")
+    except (ConversionError, OSError) as err:
+        print(f"convert_checkpoint: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
