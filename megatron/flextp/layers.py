@@ -20,12 +20,16 @@ import torch.nn.functional as F
 
 from dynapipe_ext.flextp.partition import Partition
 
-COMM = {"seconds": 0.0}   # time spent in TP all-reduces since the last reset (compute = rest)
+# seconds spent in TP all-reduces since the last reset (compute time = the rest); a list under
+# "shapes" (tests) collects each all-reduced shape
+COMM = {"seconds": 0.0, "shapes": None}
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is None:
         return tensor
+    if COMM["shapes"] is not None:
+        COMM["shapes"].append(tuple(tensor.shape))
     start = time.perf_counter()
     dist.all_reduce(tensor, group=group)
     COMM["seconds"] += time.perf_counter() - start
@@ -167,9 +171,9 @@ class FlexTPBlock(torch.nn.Module):
             mean = inner.detach().reshape(-1, len(keep), self.row_cols).mean(0)
             self.contrib[keep] = torch.einsum(
                 "kc,hkc->kh", mean, rw.detach().reshape(self.hidden, len(keep), self.row_cols))
-            if len(keep) < len(mine):
-                skipped = [i for i in range(len(mine)) if i not in keep]
-                partial = partial + self.contrib[skipped].sum(0)
+        if len(keep) < len(mine):
+            skipped = [i for i in range(len(mine)) if i not in keep]
+            partial = partial + self.contrib[skipped].sum(0)
         if self.slowdown > 1:
             self._burn(x.detach(), cw.detach(), cb.detach(), rw.detach(), len(keep), partial)
         return _ReduceFromTP.apply(partial, self.group) + self.row_bias
