@@ -68,7 +68,8 @@ def test_resize_bound_and_priority():
 
 
 def test_proportional_counts_and_rebalance_move_fewest():
-    assert proportional_counts(32, (1.0, 0.5)) == (21, 11)
+    assert proportional_counts(32, (1.0, 0.5)) == (22, 10)
+    assert proportional_counts(32, (1.0, 0.55)) == (21, 11) and proportional_counts(8, (1, 1, 1)) == (3, 3, 2)
     assert proportional_counts(4, (1.0, 0.01)) == (3, 1)
     even = even_partition(8, 2)
     moved = rebalance(even, (5, 3))
@@ -87,7 +88,7 @@ def test_modes_and_semi_choices():
     r = decide("resize", even, (1.0, 0.5), 100, COSTS)
     assert r.action == "resize" and r.drops == (0, 4) and r.counts == even
     m = decide("migrate", even, (1.0, 0.5), 100, COSTS)
-    assert m.action == "migrate" and m.counts == (21, 11)
+    assert m.action == "migrate" and m.counts == (22, 10)
     # heavy, lasting imbalance with a cheap link: migrate
     assert decide("semi", even, (1.0, 0.5), 100, COSTS).action == "migrate"
     # the same imbalance over a slow link just detected: resizing avoids the transfer
@@ -98,5 +99,9 @@ def test_modes_and_semi_choices():
     # balanced again after a migration: go back to even when it pays
     assert decide("semi", (21, 11), (1.0, 1.0), 100, COSTS).counts == even
     assert decide("semi", even, (1.0, 1.0), 100, COSTS).action == "keep"
+    # a one-unit change of the balanced partition is within noise: no move
+    assert decide("migrate", (21, 11), (1.0, 0.5), 100, COSTS).action == "keep"
+    assert decide("migrate", (21, 11), (1.0, 0.48), 100, COSTS).action == "keep"   # 4% gain
+    assert decide("migrate", (21, 11), (1.0, 0.45), 100, COSTS).counts == (22, 10)   # 9%
     with pytest.raises(ValueError, match="--tp-balance"):
         decide("fast", even, (1.0, 1.0), 0, COSTS)

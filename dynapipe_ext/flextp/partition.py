@@ -60,20 +60,19 @@ def even_partition(num_units: int, tp: int) -> Partition:
 
 
 def proportional_counts(num_units: int, speeds, min_units: int = 1) -> tuple[int, ...]:
-    """Units per rank proportional to `speeds` (largest remainder), each rank >= min_units."""
+    """Units per rank, each rank >= min_units, that minimise the slowest rank's time
+    (units / speed): each unit goes where it finishes first (ties: the lower rank)."""
     speeds = [float(s) for s in speeds]
     if not speeds or any(s <= 0 for s in speeds):
         raise ValueError(f"proportional_counts: speeds must be positive, got {speeds}")
     if num_units < min_units * len(speeds):
         raise ValueError(f"proportional_counts: {num_units} units cannot give {len(speeds)} "
                          f"ranks {min_units} each")
-    spare = num_units - min_units * len(speeds)
-    share = [spare * s / sum(speeds) for s in speeds]
-    counts = [int(x) for x in share]
-    order = sorted(range(len(speeds)), key=lambda r: (counts[r] - share[r], r))
-    for r in order[:spare - sum(counts)]:
+    counts = [min_units] * len(speeds)
+    for _ in range(num_units - min_units * len(speeds)):
+        r = min(range(len(speeds)), key=lambda i: ((counts[i] + 1) / speeds[i], i))
         counts[r] += 1
-    return tuple(c + min_units for c in counts)
+    return tuple(counts)
 
 
 def rebalance(current: Partition, target_counts) -> Partition:

@@ -7,6 +7,7 @@ last (as long as it has lasted so far, at least `min_horizon` iterations):
            charged as lost training, `accuracy_weight` iterations per fraction of units skipped;
 - migrate: transfer_s(moved units) + H * t(proportional counts), transfer_s from bytes per
            unit (weights, fp32 master, both Adam moments) over the measured link bandwidth.
+Migration needs a gain of `min_gain` of the step time (no moves for noise).
 Short or mild imbalance thus resizes; lasting or heavy imbalance migrates, and migrates back
 once the ranks are even again and the cost of staying uneven outgrows the transfer."""
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BalanceCosts:
     accuracy_weight: float = 1.0
     max_fraction: float = 0.25   # resize bound
     min_horizon: int = 20        # iterations
+    min_gain: float = 0.05       # migrate only for at least this share off the step time
 
 
 def step_time(counts, drops, speeds, unit_seconds: float) -> float:
@@ -53,6 +55,9 @@ def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts) -> Decis
     if mode == "off":
         return keep
     target = proportional_counts(sum(counts), speeds)
+    if (step_time(target, none, speeds, 1.0)
+            > (1 - costs.min_gain) * step_time(counts, none, speeds, 1.0)):
+        target = counts      # a unit or so of noise in the speeds: not worth a move
     drops = drop_counts(counts, speeds, costs.max_fraction)
     resize = Decision("resize", counts, drops, {}) if any(drops) else keep
     migrate = Decision("migrate", target, none, {}) if target != counts else keep
