@@ -68,6 +68,8 @@ class Balancer:
         self.bandwidth = measure_bandwidth(group) if mode == "semi" else 1.0
         self.iteration, self.lasted = 0, 0
         self._times = []
+        # units each rank skips now, per block kind (every rank derives the same figures)
+        self.drop_counts = {k: [0] * tp for k in KINDS}
 
     def observe(self, compute_seconds: float) -> dict:
         """Record this iteration; at interval ends decide and apply. Returns what happened."""
@@ -103,8 +105,10 @@ class Balancer:
                 migrate_blocks(blocks, self.optimizer, rebalance(part, decision.counts),
                                self.group)
             apply_resize(blocks, decision.drops[self.rank], self.max_fraction)
+            self.drop_counts[kind] = [min(d, max_drops(c, self.max_fraction))
+                                      for d, c in zip(decision.drops, decision.counts)]
             actions[kind] = decision.action
         record.update(action=actions, speeds=list(speeds),
                       counts={k: list(self.model.blocks(k)[0].partition.counts()) for k in KINDS},
-                      drops={k: len(self.model.blocks(k)[0].drops) for k in KINDS})
+                      drops={k: list(v) for k, v in self.drop_counts.items()})
         return record

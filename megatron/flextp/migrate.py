@@ -78,7 +78,7 @@ def migrate_blocks(blocks: list[FlexTPBlock], optimizer, new: Partition, group=N
                         pieces.append(_take_units(src_t, axis, per,
                                                   _local_index(mine_old, [u])))
                     else:
-                        pieces.append(received[u][(bi, pi, fi)].to(src_t.dtype) * (0 if fi == 2 else 1))
+                        pieces.append(received[u][(bi, pi, fi)].to(src_t.dtype))
                 new_tensors.append(torch.cat(pieces, dim=axis).contiguous())
             # a new Parameter: autograd caches a leaf's shape, so resizing .data would not do
             fresh = torch.nn.Parameter(new_tensors[0], requires_grad=param.requires_grad)

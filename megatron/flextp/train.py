@@ -112,7 +112,7 @@ def train(args, on_iteration=None) -> list[dict]:
         record.update(iteration=it, loss=loss.item(), seconds=time.perf_counter() - start,
                       counts_now={k: list(model.blocks(k)[0].partition.counts())
                                   for k in ("attn", "mlp")},
-                      drops_now={k: len(model.blocks(k)[0].drops) for k in ("attn", "mlp")})
+                      drops_now={k: list(v) for k, v in balancer.drop_counts.items()})
         records.append(record)
     return records
 
