@@ -59,14 +59,15 @@ def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
 class Balancer:
     def __init__(self, model, optimizer, mode: str, group, rank: int, tp: int,
                  interval: int = 10, max_fraction: float = 0.25, accuracy_weight: float = 1.0,
-                 min_horizon: int = 20, detector: StragglerDetector | None = None):
+                 min_horizon: int = 20, detector: StragglerDetector | None = None,
+                 warmup_iters: int = 3):
         self.model, self.optimizer, self.mode = model, optimizer, mode
         self.group, self.rank, self.tp, self.interval = group, rank, tp, interval
         self.max_fraction, self.accuracy_weight, self.min_horizon = (
             max_fraction, accuracy_weight, min_horizon)
         self.detector = detector or StragglerDetector(tp)
         self.bandwidth = measure_bandwidth(group) if mode == "semi" else 1.0
-        self.iteration, self.lasted = 0, 0
+        self.iteration, self.lasted, self.warmup_iters = 0, 0, warmup_iters
         self._times = []
         # units each rank skips now, per block kind (every rank derives the same figures)
         self.drop_counts = {k: [0] * tp for k in KINDS}
@@ -77,7 +78,8 @@ class Balancer:
         buf[self.rank], buf[self.tp + self.rank] = compute_seconds, rank_work(self.model)
         dist.all_reduce(buf, group=self.group)
         times, work = buf[:self.tp].tolist(), buf[self.tp:].tolist()
-        changed = self.detector.update(times, work)
+        # the first iterations (allocator, thread pools, lazy init) are not the ranks' speed
+        changed = self.iteration >= self.warmup_iters and self.detector.update(times, work)
         self.lasted = 0 if changed else self.lasted + 1
         self.iteration += 1
         self._times.append((times, work))
