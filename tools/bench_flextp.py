@@ -101,21 +101,36 @@ def start_busy() -> subprocess.Popen:
     return busy
 
 
-def steady_table(runs: dict, factor: int) -> tuple[str, dict]:
-    t_none = statistics.mean(mean_time(v) for k, v in runs.items() if k.startswith("no strag"))
-    t_even = mean_time(runs["even"])
-    t_tp = max(0.0, (t_even - t_none) / (factor - 1))   # the straggler's block share
-    ideal = t_none - t_tp + t_tp * 2 * factor / (factor + 1)
-    rows = ["| run | s / iteration | vs ideal | final loss (last 20) | final mlp / attn units "
-            "per rank (units skipped per rank) |", "|---|---|---|---|---|"]
-    for name, recs in runs.items():
+STEADY = (("no straggler", "off", ""), ("even", "off", "1:2"), ("resize", "resize", "1:2"),
+          ("migrate", "migrate", "1:2"), ("semi", "semi", "1:2"))
+
+
+def interleaved_times(rounds: int, iters: int) -> dict[str, list[float]]:
+    """Mean s / iteration of each steady configuration in `rounds` rounds of short runs, the
+    configurations taking turns, so a drifting machine load hits them all alike."""
+    times = {name: [] for name, _, _ in STEADY}
+    for _ in range(rounds):
+        for name, mode, slow in STEADY:
+            times[name].append(mean_time(run(name, mode, iters, slow)))
+    return times
+
+
+def steady_table(times: dict, runs: dict, factor: int) -> tuple[str, dict]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t_tp = max(0.0, (med["even"] - med["no straggler"]) / (factor - 1))  # straggler block share
+    ideal = med["no straggler"] - t_tp + t_tp * 2 * factor / (factor + 1)
+    rows = ["| run | s / iteration (median of rounds) | rounds | vs ideal | final loss, long run "
+            "(last 20) | final mlp / attn units per rank (units skipped per rank) |",
+            "|---|---|---|---|---|---|"]
+    for name, values in times.items():
+        recs = runs[name]
         last = recs[-1]
-        rows.append(f"| {name} | {mean_time(recs):.3f} | {mean_time(recs) / ideal:.2f}x | "
-                    f"{final_loss(recs):.4f} | {last['counts_now']['mlp']} / "
-                    f"{last['counts_now']['attn']} (skipping {last['drops_now']['mlp']} / "
-                    f"{last['drops_now']['attn']}) |")
-    rows.append(f"| ideal (work split by speed) | {ideal:.3f} | 1.00x | | |")
-    return "\n".join(rows), {"ideal": ideal, "block_share_s": t_tp}
+        rows.append(f"| {name} | {med[name]:.3f} | {', '.join(f'{v:.3f}' for v in values)} | "
+                    f"{med[name] / ideal:.2f}x | {final_loss(recs):.4f} | "
+                    f"{last['counts_now']['mlp']} / {last['counts_now']['attn']} (skipping "
+                    f"{last['drops_now']['mlp']} / {last['drops_now']['attn']}) |")
+    rows.append(f"| ideal (work split by speed) | {ideal:.3f} | | 1.00x | | |")
+    return "\n".join(rows), {"ideal": ideal, "block_share_s": t_tp, "times": times}
 
 
 def plot_timeline(runs: dict, path: Path) -> None:
@@ -161,21 +176,12 @@ def plot_loss(runs: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--even-iters", type=int, default=80)
-    p.add_argument("--period", type=int, default=50)
-    p.add_argument("--skip-onoff-even", action="store_true")
-    p.add_argument("--write-doc", action="store_true")
-    args = p.parse_args()
-    load_before = os.getloadavg()
-    steady = {"no straggler": run("no straggler", "off", args.iters),
-              "even": run("even", "off", args.even_iters, "1:2")}
-    for mode in ("resize", "migrate", "semi"):
-        steady[mode] = run(mode, mode, args.iters, "1:2")
-    # the machine's load drifts: the baseline once more at the end shows by how much
-    steady["no straggler (again, last)"] = run("no straggler again", "off", args.iters)
+def long_runs(args) -> tuple[dict, dict]:
+    """One long run per steady configuration (loss curves, final partitions) and the on/off
+    contention runs."""
+    steady = {}
+    for name, mode, slow in STEADY:
+        steady[name] = run(name, mode, args.even_iters if name == "even" else args.iters, slow)
     busy = start_busy()
     try:
         onoff = {"semi": run("on/off semi", "semi", args.iters, busy_pid=busy.pid,
@@ -187,22 +193,46 @@ def main() -> None:
         os.kill(busy.pid, signal.SIGCONT)
         busy.kill()
         busy.wait()
-    load_after = os.getloadavg()
-    table, extra = steady_table(steady, 2)
+    return steady, onoff
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--even-iters", type=int, default=80)
+    p.add_argument("--period", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--round-iters", type=int, default=60)
+    p.add_argument("--reuse-runs", default=None,
+                   help="take the long runs from this bench_flextp.json instead of running them")
+    p.add_argument("--skip-onoff-even", action="store_true")
+    p.add_argument("--write-doc", action="store_true")
+    args = p.parse_args()
     docs = REPO / "docs"
+    load = {"before": os.getloadavg()[0]}
+    if args.reuse_runs:
+        saved = json.loads(Path(args.reuse_runs).read_text())
+        steady = {name: saved["steady"][name] for name, _, _ in STEADY}
+        onoff = saved["onoff"]
+        old = saved["load"]   # [before, after] getloadavg() triples in older files
+        load["long runs"] = old["long runs"] if isinstance(old, dict) else old[1][0]
+    else:
+        steady, onoff = long_runs(args)
+        load["long runs"] = os.getloadavg()[0]
+    times = interleaved_times(args.rounds, args.round_iters)
+    load["after"] = os.getloadavg()[0]
+    table, extra = steady_table(times, steady, 2)
     (docs / "bench_flextp.json").write_text(json.dumps(
-        {"steady": steady, "onoff": onoff, "load": [load_before, load_after], **extra}))
+        {"steady": steady, "onoff": onoff, "load": load, **extra}))
     plot_timeline(onoff, docs / "flextp_timeline.png")
-    plot_loss({k: v for k, v in steady.items() if k in ("no straggler", "resize", "migrate",
-                                                         "semi")}, docs / "flextp_loss.png")
+    plot_loss({k: v for k, v in steady.items() if k != "even"}, docs / "flextp_loss.png")
     print(table)
     phase_rows = onoff_table(onoff)
     print(phase_rows)
     if args.write_doc:
         from tools.doc_sections import write_section
         write_section(docs / "BENCHMARKS.md", "flextp", "FlexTP: straggler-tolerant tensor "
-                      "parallelism", doc_text(args, table, phase_rows, steady, extra,
-                                              load_before, load_after))
+                      "parallelism", doc_text(args, table, phase_rows, steady, extra, load))
 
 
 def onoff_table(onoff: dict) -> str:
@@ -214,42 +244,57 @@ def onoff_table(onoff: dict) -> str:
     return "\n".join(rows)
 
 
-def doc_text(args, table, phase_rows, steady, extra, load_before, load_after) -> str:
+def doc_text(args, table, phase_rows, steady, extra, load) -> str:
     none = final_loss(steady["no straggler"])
-    rel = {k: final_loss(v) / none - 1 for k, v in steady.items() if not k.startswith("no s")}
+    rel = {k: final_loss(v) / none - 1 for k, v in steady.items() if k != "no straggler"}
+    reuse = (f" --reuse-runs FILE` (the long runs from the previous invocation, same flags, run "
+             f"just before; `" if args.reuse_runs else "")
     return f"""Run on {datetime.date.today()} with `python tools/bench_flextp.py --iters {args.iters} \
---even-iters {args.even_iters} --period {args.period} --write-doc` (one run per row): TP=2 on gloo, \
-2 CPU cores shared with other jobs (load average {load_before[0]:.1f} before, \
-{load_after[0]:.1f} after; these figures are noisy). Model: the FlexGPT of `megatron/flextp` \
-(2 layers, hidden 256, 8 heads, ffn 1024 in 32 units of 32 columns, sequence 128, batch 8, byte \
-vocabulary), FlexAdamW lr 1e-3, data: FLAN-like samples from `megatron.data.flan_synthetic` as bytes. \
-Times: mean wall seconds per iteration on rank 0 after {SKIP} warm-up iterations (migrations \
-included). Raw records: `docs/bench_flextp.json`.
+--even-iters {args.even_iters} --period {args.period} --rounds {args.rounds} --round-iters \
+{args.round_iters}{reuse} --write-doc`: TP=2 on gloo, 2 CPU cores shared with other jobs whose load \
+drifts a lot (1-minute load average {load['long runs']:.1f} after the long runs, \
+{load['before']:.1f} / {load['after']:.1f} before / after the timing rounds; in an earlier \
+attempt it fell from 21 to 5 during the bench, and the same no-straggler run took 0.53 and 0.20 s \
+per iteration at its start and end). Timings are therefore taken in {args.rounds} interleaved \
+rounds of {args.round_iters}-iteration runs (each configuration once per round, the median \
+reported); loss curves, final partitions and the on/off timeline come from one long run each. \
+Model: the FlexGPT of `megatron/flextp` (2 layers, hidden 256, 8 heads, ffn 1024 in 32 units of \
+32 columns, sequence 128, batch 8, byte vocabulary), FlexAdamW lr 1e-3 (10 warm-up iterations), \
+data: FLAN-like samples of `megatron.data.flan_synthetic` (the quickstart's generator) as bytes. \
+Times: mean wall seconds per iteration on rank 0 after {SKIP} warm-up iterations, migrations \
+included. Raw records: `docs/bench_flextp.json`.
 
 ### Steady 2x straggler (`FLEXTP_SLOWDOWN=1:2`)
 
 {table}
 
-The ideal: the no-straggler time (mean of its two runs) with the straggler's block share \
-({extra['block_share_s']:.3f} s, from even minus no-straggler) split by speed (2f/(f+1) with f = 2). \
-Final loss relative to the no-straggler run: {', '.join(f'{k} {v:+.2%}' for k, v in rel.items())} \
-(the even run is shorter, {args.even_iters} iterations).
+The ideal: the no-straggler time with the straggler's block share ({extra['block_share_s']:.3f} s, \
+even minus no-straggler) split by speed (x 2f/(f+1), f = 2). Final loss of the long runs relative \
+to the no-straggler run: {', '.join(f'{k} {v:+.2%}' for k, v in rel.items())} (the even run is \
+shorter, {args.even_iters} iterations). Migrate reproduces the no-straggler losses (same batches, \
+exact math; only the all-reduce order differs). Resize skips up to a quarter of the straggler's \
+units (the bound), semi resizes until its cost model prefers a migration.
 
 ![loss curves](flextp_loss.png)
 
 ### On/off contention (`taskset`: a busy process on rank 1's core, {args.period} iterations on, \
-{args.period} off)
+{args.period} off, ranks pinned to cores 0 and 1)
 
 {phase_rows}
 
 ![timeline](flextp_timeline.png)
 
+The busy process competes with the other jobs on the machine as well, so it slows rank 1 by less \
+than 2x and by varying amounts; the detector only flags it when the smoothed ratio stays above 1.3 \
+for 6 iterations.
+
 ### What is and is not integrated
 
 FlexTP runs in its own trainer (`megatron/flextp/train.py`, `torchrun -m megatron.flextp.train \
---tp-balance semi`): real GEMMs, real gloo all-reduces, real AdamW (FlexAdamW, fp32 master copies), \
-timings measured by the ranks. It is not wired into `pretrain_gpt.py`: the megatron-core GPT there \
-keeps equal TP shards, and FlexTP has not been composed with PP, DP or the dynamic micro-batches."""
+--tp-balance semi`): real GEMMs, real gloo all-reduces, real AdamW (FlexAdamW with fp32 master \
+copies), timings measured by the ranks themselves. It is not wired into `pretrain_gpt.py`: the \
+megatron-core GPT there keeps equal TP shards, and FlexTP has not been composed with PP, DP or the \
+dynamic micro-batches."""
 
 
 if __name__ == "__main__":
