@@ -1,0 +1,80 @@
+"""What to do about a straggler each interval: nothing, ZERO-resize, or migrate (`--tp-balance`).
+
+`semi` weighs the three with a cost model over the horizon the current imbalance is expected to
+last (as long as it has lasted so far, at least `min_horizon` iterations):
+- even:    H * t(counts)
+- resize:  H * (t(counts - drops) + accuracy_weight * dropped_share * t_even): skipped work is
+           charged as lost training, `accuracy_weight` iterations per fraction of units skipped;
+- migrate: transfer_s(moved units) + H * t(proportional counts), transfer_s from bytes per
+           unit (weights, fp32 master, both Adam moments) over the measured link bandwidth.
+Migration needs a gain of `min_gain` of the step time (no moves for noise).
+Short or mild imbalance thus resizes; lasting or heavy imbalance migrates, and migrates back
+once the ranks are even again and the cost of staying uneven outgrows the transfer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynapipe_ext.flextp.partition import proportional_counts
+from dynapipe_ext.flextp.resize import drop_counts
+
+MODES = ("off", "resize", "migrate", "semi")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                 # "keep", "resize" or "migrate"
+    counts: tuple[int, ...]     # units per rank after this decision
+    drops: tuple[int, ...]      # units each rank skips this interval
+    costs: dict                 # predicted seconds over the horizon, per action (semi only)
+
+
+@dataclass
+class BalanceCosts:
+    unit_seconds: float          # one unit's compute per iteration at full speed
+    bytes_per_unit: float        # what migrating one unit sends
+    bandwidth: float             # bytes per second of the TP link
+    latency: float = 1e-3        # seconds per migration round
+    accuracy_weight: float = 1.0
+    max_fraction: float = 0.25   # resize bound
+    min_horizon: int = 20        # iterations
+    min_gain: float = 0.05       # migrate only for at least this share off the step time
+
+
+def step_time(counts, drops, speeds, unit_seconds: float) -> float:
+    return max((c - d) * unit_seconds / s for c, d, s in zip(counts, drops, speeds))
+
+
+def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts) -> Decision:
+    """The decision for one interval given the current units per rank, the relative speeds
+    (fastest 1) and how many iterations the current straggler set has lasted."""
+    if mode not in MODES:
+        raise ValueError(f"--tp-balance: unknown mode {mode!r}, expected one of {MODES}")
+    counts = tuple(counts)
+    none = (0,) * len(counts)
+    keep = Decision("keep", counts, none, {})
+    if mode == "off":
+        return keep
+    target = proportional_counts(sum(counts), speeds)
+    if (step_time(target, none, speeds, 1.0)
+            > (1 - costs.min_gain) * step_time(counts, none, speeds, 1.0)):
+        target = counts      # a unit or so of noise in the speeds: not worth a move
+    drops = drop_counts(counts, speeds, costs.max_fraction)
+    resize = Decision("resize", counts, drops, {}) if any(drops) else keep
+    migrate = Decision("migrate", target, none, {}) if target != counts else keep
+    if mode == "resize":
+        return resize
+    if mode == "migrate":
+        return migrate
+    horizon = max(lasted, costs.min_horizon)
+    t_even = step_time(counts, none, (1.0,) * len(counts), costs.unit_seconds)
+    moved = sum(max(0, c - t) for c, t in zip(counts, target))
+    transfer = moved * costs.bytes_per_unit / costs.bandwidth + (costs.latency if moved else 0)
+    predicted = {
+        "keep": horizon * step_time(counts, none, speeds, costs.unit_seconds),
+        "resize": horizon * (step_time(counts, drops, speeds, costs.unit_seconds)
+                             + costs.accuracy_weight * sum(drops) / sum(counts) * t_even),
+        "migrate": transfer + horizon * step_time(target, none, speeds, costs.unit_seconds),
+    }
+    best = min(("keep", keep), ("resize", resize), ("migrate", migrate),
+               key=lambda kv: (predicted[kv[0]], kv[0] != "keep"))[1]
+    return Decision(best.action, best.counts, best.drops, predicted)

@@ -1,0 +1,38 @@
+"""ZERO-resizing: a straggler skips a bounded number of its units for a while (no data moves).
+
+Priority: the units with the smallest weight norm go first (their output is the smallest by the
+norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least). Imputation is
+done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
+contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
+value. The bound `max_fraction` caps the share of a rank's units that may be skipped."""
+from __future__ import annotations
+
+import math
+
+
+def max_drops(count: int, max_fraction: float) -> int:
+    """Units a rank owning `count` may skip: floor(max_fraction * count), never its last one."""
+    if not 0.0 <= max_fraction < 1.0:
+        raise ValueError(f"max_drops: max_fraction must be in [0, 1), got {max_fraction}")
+    return min(int(math.floor(max_fraction * count + 1e-9)), count - 1)
+
+
+def drop_counts(counts, speeds, max_fraction: float) -> tuple[int, ...]:
+    """Units each rank should skip so that no rank needs longer than the quickest one
+    (time_r = units_r / speed_r), within the bound."""
+    if len(counts) != len(speeds):
+        raise ValueError(f"drop_counts: {len(counts)} counts vs {len(speeds)} speeds")
+    target = min(c / s for c, s in zip(counts, speeds))
+    return tuple(min(max(0, math.ceil(c - target * s - 1e-9)), max_drops(c, max_fraction))
+                 for c, s in zip(counts, speeds))
+
+
+def choose_drops(units, norms, n_drop: int) -> tuple[int, ...]:
+    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending."""
+    units = list(units)
+    if len(norms) != len(units):
+        raise ValueError(f"choose_drops: {len(units)} units but {len(norms)} norms")
+    if not 0 <= n_drop < len(units):
+        raise ValueError(f"choose_drops: cannot drop {n_drop} of {len(units)} units")
+    order = sorted(range(len(units)), key=lambda i: (norms[i], units[i]))
+    return tuple(sorted(units[i] for i in order[:n_drop]))

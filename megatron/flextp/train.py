@@ -1,0 +1,138 @@
+"""A FlexTP training loop: the FlexGPT on TP ranks (gloo), FlexAdamW, the `--tp-balance` Balancer,
+per-iteration records (wall time, measured compute time, partition, skipped units, loss).
+
+Data: FLAN-like samples of megatron.data.flan_synthetic (the generator behind the quickstart
+data) as bytes (vocabulary 256, no tokenizer to train), packed into a stream of sequences; every
+TP rank reads the same batches. Not integrated with pretrain_gpt.py (no PP / DP / dynamic
+micro-batches here); see docs/BENCHMARKS.md "FlexTP".
+
+    torchrun --nproc-per-node 2 -m megatron.flextp.train --tp-balance semi --train-iters 50
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from dynapipe_ext.flextp.partition import even_partition
+from dynapipe_ext.flextp.policy import MODES
+from megatron.flextp.balance import Balancer
+from megatron.flextp.layers import COMM, slowdown_factor
+from megatron.flextp.model import FlexGPT, FlexGPTConfig
+from megatron.flextp.optim import FlexAdamW
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp-balance", choices=MODES, default="off",
+                   help="straggler handling: off (even TP), resize (ZERO-resizing), migrate, "
+                        "semi (cost model picks per interval)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--ffn-hidden-size", type=int, default=1024)
+    p.add_argument("--flextp-ffn-unit", type=int, default=32,
+                   help="ffn columns per MLP unit (what FlexTP moves or skips)")
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--train-iters", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--flextp-interval", type=int, default=10,
+                   help="iterations between balancing decisions")
+    p.add_argument("--flextp-max-drop-fraction", type=float, default=0.25,
+                   help="resize bound: share of a rank's units it may skip")
+    p.add_argument("--flextp-accuracy-weight", type=float, default=1.0,
+                   help="semi: iterations of cost charged per fraction of units skipped")
+    p.add_argument("--flextp-min-horizon", type=int, default=20)
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin TP rank r to CPU core r (for the taskset contention runs)")
+    p.add_argument("--log-json", default=None, help="rank 0 writes the per-iteration records")
+    return p
+
+
+def byte_batches(seq_length: int, batch: int, seed: int):
+    """Endless [batch, seq] (tokens, labels) of FLAN-like text as bytes, same on every rank."""
+    from megatron.data.flan_synthetic import synthetic_samples
+    stream: list[int] = []
+    n = 0
+    while True:
+        for sample in synthetic_samples(2000, seed=seed + n):
+            stream += list((sample["inputs"] + "\n" + sample["targets"] + "\n\n").encode())
+            while len(stream) >= batch * (seq_length + 1):
+                chunk = torch.tensor(stream[:batch * (seq_length + 1)]).view(batch, -1)
+                del stream[:batch * (seq_length + 1)]
+                yield chunk[:, :-1], chunk[:, 1:]
+        n += 1
+
+
+def train(args, on_iteration=None) -> list[dict]:
+    """Run args.train_iters iterations on the initialised world (all ranks = one TP group)."""
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    if args.pin_cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+    group = dist.new_group(list(range(tp)))
+    cfg = FlexGPTConfig(vocab_size=256, seq_length=args.seq_length, hidden=args.hidden_size,
+                        num_layers=args.num_layers, num_heads=args.num_attention_heads,
+                        ffn=args.ffn_hidden_size, ffn_unit=args.flextp_ffn_unit)
+    cfg.check()
+    parts = {"attn": even_partition(cfg.num_heads, tp), "mlp": even_partition(cfg.mlp_units, tp)}
+    model = FlexGPT(cfg, parts, rank, group, seed=args.seed, slowdown=slowdown_factor(rank))
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or ".ln" in n
+                or n.startswith("ln_f")]
+    opt = FlexAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                    no_decay=no_decay)
+    balancer = Balancer(model, opt, args.tp_balance, group, rank, tp,
+                        interval=args.flextp_interval,
+                        max_fraction=args.flextp_max_drop_fraction,
+                        accuracy_weight=args.flextp_accuracy_weight,
+                        min_horizon=args.flextp_min_horizon)
+    data = byte_batches(args.seq_length, args.micro_batch_size, args.seed)
+    records = []
+    dist.barrier(group=group)
+    for it in range(args.train_iters):
+        if on_iteration is not None:
+            on_iteration(it)
+        tokens, labels = next(data)
+        start = time.perf_counter()
+        COMM["seconds"] = 0.0
+        loss = model(tokens, labels)
+        loss.backward()
+        lr = args.lr * min(1.0, (it + 1) / max(1, args.lr_warmup_iters))
+        opt.step(lr)
+        opt.zero_grad()
+        compute = time.perf_counter() - start - COMM["seconds"]
+        record = balancer.observe(max(compute, 1e-6))
+        record.update(iteration=it, loss=loss.item(), seconds=time.perf_counter() - start,
+                      counts_now={k: list(model.blocks(k)[0].partition.counts())
+                                  for k in ("attn", "mlp")},
+                      drops_now={k: list(v) for k, v in balancer.drop_counts.items()})
+        records.append(record)
+    return records
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        records = train(args)
+        if dist.get_rank() == 0:
+            last = records[-1]
+            print(f"[flextp] {args.tp_balance}: {len(records)} iterations, final loss "
+                  f"{last['loss']:.4f}, mlp units per rank {last['counts_now']['mlp']}")
+            if args.log_json:
+                with open(args.log_json, "w") as f:
+                    json.dump(records, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""FlexTP planning: straggler detection with hysteresis, the resize bound and priority, balanced
+partitions and the SEMI decision between resizing and migration."""
+import random
+
+import pytest
+
+from dynapipe_ext.flextp.detector import StragglerDetector
+from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
+from dynapipe_ext.flextp.policy import BalanceCosts, decide
+from dynapipe_ext.flextp.resize import choose_drops, drop_counts, max_drops
+
+
+def noisy(rng, base, sigma=0.15):
+    return base * rng.lognormvariate(0.0, sigma)
+
+
+def test_noise_alone_never_triggers():
+    rng = random.Random(3)
+    det = StragglerDetector(tp=2)
+    for _ in range(5000):
+        det.update([noisy(rng, 1.0), noisy(rng, 1.0)], [8, 8])
+        assert det.stragglers == set()
+    # isolated spikes (3x on one iteration in ten) do not either
+    for i in range(500):
+        spike = 3.0 if i % 10 == 0 else 1.0
+        det.update([noisy(rng, 1.0), noisy(rng, spike, 0.05)], [8, 8])
+        assert det.stragglers == set()
+
+
+def test_steady_2x_slowdown_triggers_then_clears():
+    rng = random.Random(4)
+    det = StragglerDetector(tp=2)
+    for _ in range(50):
+        det.update([noisy(rng, 1.0), noisy(rng, 1.0)], [8, 8])
+    hit = None
+    for i in range(50):
+        det.update([noisy(rng, 1.0), noisy(rng, 2.0)], [8, 8])
+        if det.stragglers and hit is None:
+            hit = i
+    assert det.stragglers == {1} and hit is not None and hit < 15
+    assert det.relative_speeds()[0] == 1.0 and 0.4 < det.relative_speeds()[1] < 0.6
+    # after migration rank 1 does half the work in about the same time: still a straggler
+    for _ in range(30):
+        det.update([noisy(rng, 1.0), noisy(rng, 1.0)], [10, 5])
+    assert det.stragglers == {1}
+    for _ in range(30):
+        det.update([noisy(rng, 1.0), noisy(rng, 1.0)], [8, 8])
+    assert det.stragglers == set() and det.relative_speeds() == (1.0, 1.0)
+
+
+def test_detector_names_bad_input():
+    with pytest.raises(ValueError, match="exit_ratio"):
+        StragglerDetector(tp=2, enter_ratio=1.1, exit_ratio=1.2)
+    with pytest.raises(ValueError, match="positive"):
+        StragglerDetector(tp=2).update([1.0, 0.0], [1, 1])
+
+
+def test_resize_bound_and_priority():
+    assert max_drops(16, 0.25) == 4 and max_drops(1, 0.5) == 0
+    # a 2x straggler would need to drop half its units; the bound allows a quarter
+    assert drop_counts((16, 16), (1.0, 0.5), 0.25) == (0, 4)
+    assert drop_counts((16, 16), (1.0, 0.8), 0.25) == (0, 4)
+    assert drop_counts((16, 16), (1.0, 0.9), 0.25) == (0, 2)
+    assert drop_counts((16, 16), (1.0, 1.0), 0.25) == (0, 0)
+    assert choose_drops((4, 5, 6, 7), (0.3, 0.1, 0.2, 0.1), 2) == (5, 7)
+    with pytest.raises(ValueError, match="cannot drop"):
+        choose_drops((1, 2), (0.1, 0.2), 2)
+
+
+def test_proportional_counts_and_rebalance_move_fewest():
+    assert proportional_counts(32, (1.0, 0.5)) == (22, 10)
+    assert proportional_counts(32, (1.0, 0.55)) == (21, 11) and proportional_counts(8, (1, 1, 1)) == (3, 3, 2)
+    assert proportional_counts(4, (1.0, 0.01)) == (3, 1)
+    even = even_partition(8, 2)
+    moved = rebalance(even, (5, 3))
+    assert moved.counts() == (5, 3) and len(even.moves_to(moved)) == 1
+    back = rebalance(moved, (4, 4))
+    assert back.counts() == (4, 4) and len(moved.moves_to(back)) == 1
+
+
+COSTS = BalanceCosts(unit_seconds=0.01, bytes_per_unit=1e6, bandwidth=1e9, max_fraction=0.25,
+                     min_horizon=20)
+
+
+def test_modes_and_semi_choices():
+    even = (16, 16)
+    assert decide("off", even, (1.0, 0.5), 100, COSTS).action == "keep"
+    r = decide("resize", even, (1.0, 0.5), 100, COSTS)
+    assert r.action == "resize" and r.drops == (0, 4) and r.counts == even
+    m = decide("migrate", even, (1.0, 0.5), 100, COSTS)
+    assert m.action == "migrate" and m.counts == (22, 10)
+    # heavy, lasting imbalance with a cheap link: migrate
+    assert decide("semi", even, (1.0, 0.5), 100, COSTS).action == "migrate"
+    # the same imbalance over a slow link just detected: resizing avoids the transfer
+    slow = BalanceCosts(unit_seconds=0.01, bytes_per_unit=1e6, bandwidth=1e6, min_horizon=5)
+    assert decide("semi", even, (1.0, 0.5), 0, slow).action == "resize"
+    # ... but once it has lasted long enough, migration pays off
+    assert decide("semi", even, (1.0, 0.5), 5000, slow).action == "migrate"
+    # balanced again after a migration: go back to even when it pays
+    assert decide("semi", (21, 11), (1.0, 1.0), 100, COSTS).counts == even
+    assert decide("semi", even, (1.0, 1.0), 100, COSTS).action == "keep"
+    # a one-unit change of the balanced partition is within noise: no move
+    assert decide("migrate", (21, 11), (1.0, 0.5), 100, COSTS).action == "keep"
+    assert decide("migrate", (21, 11), (1.0, 0.48), 100, COSTS).action == "keep"   # 4% gain
+    assert decide("migrate", (21, 11), (1.0, 0.45), 100, COSTS).counts == (22, 10)   # 9%
+    with pytest.raises(ValueError, match="--tp-balance"):
+        decide("fast", even, (1.0, 1.0), 0, COSTS)
