@@ -14,6 +14,7 @@ import torch
 from megatron.model.hf_convert import (ConversionError, ModelArgs, fit_vocab, qkv_from_hf,
                                        qkv_to_hf, read_converted, read_hf)
 from multiproc import run_in_processes, single_process_world
+from tests.test_training import sp_dataset  # noqa: F401 - a fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,3 +209,41 @@ def test_unsupported_gpt2_variant_is_a_clear_error(tmp_path):
 def test_model_args_build_the_spec():
     args = ModelArgs("gpt", 2, 24, 3, 96, 250, 32)
     assert args.spec(256).vocab_size == 256 and args.spec().ffn_size == 96
+
+
+@pytest.mark.slow
+def test_converted_gpt2_finetunes_at_pp2_from_its_weights(tmp_path, sp_dataset):  # noqa: F811
+    """The converted directory is a checkpoint: `pretrain_gpt.py --load DIR --finetune` at
+    PP=2 starts from iteration 0 with the imported weights (after one step at a negligible LR
+    they still equal the import), and the saved run exports back to transformers."""
+    import json
+
+    from megatron.training.checkpointing import read_full_model_state
+    from tests.test_training import REPO, env_with_repo
+    from tests.multiproc import free_port
+    random_gpt2(tmp_path / "hf", 2, 32, 2, 1000, 128)
+    printed = convert(tmp_path / "hf", tmp_path / "ours")
+    flags = printed.split("train with: ")[1].split()
+    imported = read_full_model_state(str(tmp_path / "ours"))
+    stats = tmp_path / "stats.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "pretrain_gpt.py",
+           *sp_dataset, *flags, "--seq-length", "128", "--pipeline-model-parallel-size", "2",
+           "--tokens-per-global-batch", "1024", "--train-iters", "1", "--lr", "1e-12",
+           "--min-lr", "0", "--num-planner-workers", "0", "--load", str(tmp_path / "ours"),
+           "--finetune", "--save", str(tmp_path / "run"), "--save-interval", "1",
+           "--stats-file", str(stats)]
+    done = subprocess.run(cmd, cwd=REPO, env=env_with_repo(), capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert [json.loads(line)["iteration"] for line in open(stats)] == [1]
+    trained = read_full_model_state(str(tmp_path / "run"))
+    assert trained.keys() == imported.keys()
+    for name, value in imported.items():
+        assert torch.allclose(trained[name], value, atol=1e-6), name
+    convert_back = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--to-hf",
+         str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+        capture_output=True, text=True, timeout=300)
+    assert convert_back.returncode == 0, convert_back.stderr
+    assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back") is not None

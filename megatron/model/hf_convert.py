@@ -215,7 +215,6 @@ def fit_vocab(full: Mapping[str, torch.Tensor], vocab_rows: int,
 
 # ---------------------------------------------------------------- files
 
-FULL_STATE_FILE = "model_full_state.pt"   # {global name: full tensor}, weights_only-loadable
 ARGS_FILE = "model_args.json"             # ModelArgs, and the flags to train it with
 
 
@@ -258,25 +257,36 @@ def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) 
 
 
 def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> str:
-    """Save a converted model for training: the one place where the on-disk form is chosen
-    (today the full state and its ModelArgs; a layout-free checkpoint that `--load DIR
-    --finetune` reads once checkpoints are layout-free). Returns the weights file."""
+    """Save a converted model for training, the one place where the on-disk form is chosen: a
+    layout-free, model-only checkpoint (iteration 0) that `--load DIR --finetune` reads at any
+    TP / PP / DP, plus its ModelArgs (the flags to train it with). Returns the iteration
+    directory."""
     import json
     import os
+
+    from megatron.training.checkpointing import atomic_write, save_model_only_checkpoint
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, FULL_STATE_FILE)
-    torch.save({name: t.contiguous() for name, t in full.items()}, path)
-    with open(os.path.join(directory, ARGS_FILE), "w") as f:
-        json.dump(args.as_dict(), f, indent=1)
-    return path
+    signature = {"model": args.model, "num_layers": args.num_layers,
+                 "decoder_num_layers": args.decoder_num_layers, "hidden_size": args.hidden_size,
+                 "num_attention_heads": args.num_attention_heads,
+                 "ffn_hidden_size": args.ffn_hidden_size,
+                 "max_position_embeddings": args.max_position_embeddings}
+    folder = save_model_only_checkpoint(directory, 0, {n: t.contiguous() for n, t in full.items()},
+                                        signature)
+
+    def write_args(tmp):
+        with open(tmp, "w") as f:
+            json.dump(args.as_dict(), f, indent=1)
+    atomic_write(os.path.join(directory, ARGS_FILE), write_args)
+    return folder
 
 
 def read_converted(directory: str) -> tuple[dict, ModelArgs]:
-    """(full state, ModelArgs) written by write_converted."""
+    """(full state, ModelArgs) of a checkpoint written by write_converted (for export)."""
     import json
     import os
+
+    from megatron.training.checkpointing import read_full_model_state
     with open(os.path.join(directory, ARGS_FILE)) as f:
         args = ModelArgs(**json.load(f))
-    full = torch.load(os.path.join(directory, FULL_STATE_FILE), map_location="cpu",
-                      weights_only=True)
-    return full, args
+    return read_full_model_state(directory), args
