@@ -30,6 +30,7 @@ transfer. The split itself still fits the training memory rule, which is stricte
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -96,7 +97,8 @@ def build_cost_model(source: CostModelSource, spec: ModelSpec, tp: int,
         return AnalyticCostModel(spec, tp=tp, num_stages=num_stages, **options)
     from .cost_profile import ProfiledCostModel, load_profile
     profile = load_profile(source.path)
-    if profile.spec != spec:
+    # tied embeddings are not part of a profile's key (its per-kind tables do not depend on it)
+    if dataclasses.replace(spec, tied_embeddings=profile.spec.tied_embeddings) != profile.spec:
         raise ValueError(f"{source.path}: cost profile is for {profile.spec}, this run trains "
                          f"{spec}")
     if profile.key.get("tensor_model_parallel_size", tp) != tp:
