@@ -105,3 +105,76 @@ def test_unsupported_t5_variant_is_a_clear_error(tmp_path):
     transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
     with pytest.raises(ConversionError, match="feed_forward_proj .relu.*rescaled tied output"):
         read_hf(str(tmp_path / "t5"))
+
+
+def parallel_t5_logits_worker(rank, world_size, converted_dir, enc, dec):
+    """TP=2 x PP=2: every rank loads its slices of the converted full state (gated fc1 halves
+    and relative-bias heads split by TP); the first stage sends its outputs on; the last
+    stage's TP ranks gather the vocabulary slices. Returns [rows, seq, vocab] there."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from dynapipe_ext.model_spec import stage_output_shapes
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    from megatron.training.distributed_setup import setup_model_parallel
+    full, args = read_converted(converted_dir)
+    layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
+    spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
+    stages = build_rank_stages(spec, (0, 1), layout.pp_rank,
+                               build_transformer_config(spec, tp=2, pp=2), tie_embeddings=False)
+    load_full_state(stage_parameters(stages), full, layout.tp_rank, 2, converted_dir)
+    batch = t5_batch(enc, dec)
+    pipe = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    with torch.no_grad():
+        if layout.pp_rank == 0:
+            for t in stages[0]((), batch):
+                dist.send(t.contiguous(), pipe[1])
+            return None
+        shapes = stage_output_shapes(spec.stage_layers(2)[0], enc.shape[0], enc.shape[1],
+                                     dec.shape[1], spec.hidden_size)
+        inputs = tuple(torch.empty(shape) for shape in shapes)
+        for t in inputs:
+            dist.recv(t, pipe[0])
+        part = stages[1](inputs, batch)
+        parts = [torch.empty_like(part) for _ in range(2)]
+        dist.all_gather(parts, part.contiguous(),
+                        group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).transpose(0, 1).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [T5_CONFIGS[2], (1, 3, 32, 6, 12, 64, 200, 32, 128)])
+def test_t5_logits_match_transformers_tp2_pp2(tmp_path, shape):
+    vocab = shape[6]
+    model = random_t5(tmp_path / "hf", *shape)
+    enc, dec = t5_inputs(vocab)
+    theirs = hf_logits(model, enc, dec)
+    out = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "--normalization RMSNorm --norm-epsilon 1e-06 --disable-bias-linear --gated-gelu" \
+        in out and "--position-embedding-type relative" in out
+    results = run_in_processes(parallel_t5_logits_worker, 4,
+                               (str(tmp_path / "ours"), enc, dec), timeout_s=300)
+    last = [r for r in results if r is not None]
+    assert len(last) == 2 and np.array_equal(last[0], last[1])
+    ours = torch.from_numpy(last[0])
+    assert ours.shape[-1] == 256                   # padded to a multiple of 128 x TP
+    assert_close_logits(ours[..., :vocab], theirs)
+
+
+def test_t5_export_then_import_is_identity(tmp_path):
+    random_t5(tmp_path / "hf", *T5_CONFIGS[1])
+    convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    full, _ = read_converted(str(tmp_path / "ours"))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    load = transformers.T5ForConditionalGeneration.from_pretrained
+    a, b = load(tmp_path / "hf").state_dict(), load(tmp_path / "back").state_dict()
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    again, _ = read_hf(str(tmp_path / "back"))
+    assert sorted(again) == sorted(full)
+    assert all(torch.equal(again[k], full[k][:len(again[k])]) for k in full)

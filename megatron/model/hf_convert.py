@@ -240,7 +240,7 @@ def t5_args(config) -> ModelArgs:
     return ModelArgs(model="t5", num_layers=config.num_layers, hidden_size=config.d_model,
                      num_attention_heads=config.num_heads, ffn_hidden_size=config.d_ff,
                      vocab_size=config.vocab_size,
-                     max_position_embeddings=config.relative_attention_max_distance,
+                     max_position_embeddings=getattr(config, "n_positions", 512),
                      decoder_num_layers=decoder_layers,
                      untie_embeddings_and_output_weights=True, normalization="RMSNorm",
                      layernorm_epsilon=config.layer_norm_epsilon, add_bias_linear=False,

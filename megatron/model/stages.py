@@ -10,8 +10,9 @@ Word embeddings are tied by default, as in Megatron: the output layer (and the T
 embedding) use the input word embedding's weight, global name `embedding.word_embeddings.weight`.
 Within one stage module it is one Parameter; stages that hold a copy elsewhere (another stage
 module, maybe on another pipeline rank) start from the same value (same global name, same init)
-and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the group
-of tied_embedding_group), so the copies stay equal. `tie_embeddings=False` (Megatron's
+and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the groups
+of replica_groups), so the copies stay equal; T5's relative-position-bias tables, one per stack on
+every stage with layers of that stack, are replicated the same way. `tie_embeddings=False` (Megatron's
 `--untie-embeddings-and-output-weights`) gives the output layer (`output_layer.weight`) and the
 T5 decoder embedding their own weights.
 
@@ -311,6 +312,7 @@ class StageModule(torch.nn.Module):
         self.to(dtype=config.params_dtype)
         if tie_embeddings:
             self._tie_word_embeddings()
+        self._mark_relative_copies()
 
     def _tie_word_embeddings(self) -> None:
         """One Parameter for every word-embedding copy of this stage; marks it `tied_embedding`
@@ -324,7 +326,20 @@ class StageModule(torch.nn.Module):
         for module in holders[1:]:
             module.weight = weight
         weight.tied_embedding = True
+        weight.replicated = TIED_EMBEDDING
         weight.shared = not self.has_embedding
+
+    def _mark_relative_copies(self) -> None:
+        """The relative-position-bias tables are replicated on every stage that holds layers
+        of their stack: `replicated` (their global name; GradBuffer sums the copies'
+        gradients) and, except on the stage with the stack's first layer, `shared` (counted
+        once in the gradient norm)."""
+        for module, owner in ((self.encoder_relative_pos, self.first_encoder_layer == 0),
+                              (self.decoder_relative_pos, self.first_decoder_layer <= 0)):
+            if module is not None:
+                weight = module.relative_attention_bias.weight
+                weight.replicated = next(n for n, p in self.named_parameters() if p is weight)
+                weight.shared = not owner
 
     # ---- global parameter names (independent of TP/PP layout) ----
     def global_name(self, local_name: str) -> str:
@@ -404,9 +419,34 @@ class StageModule(torch.nn.Module):
 def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...]) -> tuple[int, ...]:
     """Pipeline ranks that hold a copy of the tied word embedding (the stages with the input
     embedding, the T5 decoder embedding or the head), sorted."""
+    return replica_holders(spec, stage_to_rank, TIED_EMBEDDING)
+
+
+RELATIVE_TABLES = {"encoder_relative_pos.relative_attention_bias.weight": ENC_LAYER,
+                   "decoder_relative_pos.relative_attention_bias.weight": DEC_LAYER}
+
+
+def replicated_names(spec: ModelSpec, tie_embeddings: bool = True) -> tuple[str, ...]:
+    """Global names of the parameters of which several stages may hold a copy: the tied word
+    embedding and the T5 relative-position-bias tables."""
+    names = (TIED_EMBEDDING,) if tie_embeddings else ()
+    if spec.position_embedding_type == "relative":
+        names += tuple(RELATIVE_TABLES)
+    return names
+
+
+def replica_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                    name: str) -> tuple[int, ...]:
+    """Pipeline ranks holding a copy of replicated parameter `name`, sorted."""
     kinds = spec.stage_layers(len(stage_to_rank))
+    if name == TIED_EMBEDDING:
+        holds = (EMBEDDING, DEC_EMBEDDING, HEAD)
+    elif name in RELATIVE_TABLES:
+        holds = (RELATIVE_TABLES[name],)
+    else:
+        raise ValueError(f"{name} is not a replicated parameter")
     return tuple(sorted({stage_to_rank[s] for s, k in enumerate(kinds)
-                         if EMBEDDING in k or DEC_EMBEDDING in k or HEAD in k}))
+                         if any(h in k for h in holds)}))
 
 
 def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: int,
@@ -416,47 +456,62 @@ def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: 
     """The stage modules pipeline rank `pp_rank` holds under `stage_to_rank`
     (stage index -> module, in stage order), built on the CPU and moved to `device` if given.
     Weights are not yet set: call init_weights.initialize_stage_weights next.
-    With `tie_embeddings`, each tied word-embedding copy records `tied_ranks`, the pipeline
-    ranks holding one (GradBuffer needs tied_embedding_group when that is more than one)."""
+    Each replicated parameter (tied word embedding, T5 relative-bias tables) records
+    `tied_ranks`, the pipeline ranks holding a copy (GradBuffer needs replica_groups when
+    that is more than one)."""
     num_stages = len(stage_to_rank)
     if pp_rank not in stage_to_rank:
         raise ValueError(f"pipeline rank {pp_rank} holds no stage in layout {stage_to_rank}")
     spec.stage_layers(num_stages)   # raises when the layers do not split evenly
     stages = {s: StageModule(spec, num_stages, s, config, tie_embeddings)
               for s, r in enumerate(stage_to_rank) if r == pp_rank}
-    holders = embedding_holders(spec, stage_to_rank)
     for module in stages.values():
         for param in module.parameters():
-            if getattr(param, "tied_embedding", False):
-                param.tied_ranks = holders
+            name = getattr(param, "replicated", None)
+            if name is not None:
+                param.tied_ranks = replica_holders(spec, stage_to_rank, name)
     if device is not None:
         for module in stages.values():
             module.to(device)
     return stages
 
 
-def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
-                         tie_embeddings: bool = True, timeout_s: float = 120.0):
-    """The process group over which this rank's tied word-embedding gradients are summed (the
-    ranks of its pipeline that hold a copy; megatron-core's embedding group only knows the first
-    and last pipeline rank, while a wave layout or the T5 decoder embedding puts copies
-    elsewhere). Collective: every rank calls it; None where there is nothing to reduce across
-    ranks or this rank holds no copy."""
+def replica_groups(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                   tie_embeddings: bool = True, timeout_s: float = 120.0) -> dict:
+    """{replicated parameter name: the process group over which this rank's copies'
+    gradients are summed} (the ranks of its pipeline holding a copy; megatron-core's
+    embedding group only knows the first and last pipeline rank, while a wave layout, the T5
+    decoder embedding or the relative-bias tables put copies elsewhere). Collective: every
+    rank calls it; names with nothing to reduce across ranks, or no copy here, are left out."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    holders = embedding_holders(spec, stage_to_rank)
-    if not tie_embeddings or len(holders) < 2 or not dist.is_initialized():
-        return None
+    if not dist.is_initialized():
+        return {}
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    group = None
-    for ranks in sorted({tuple(r) for r in everyone}):   # same creation order on every rank
-        members = [ranks[r] for r in holders]
-        made = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
-        if dist.get_rank() in members:
-            group = made
-    return group
+    groups = {}
+    for name in replicated_names(spec, tie_embeddings):
+        holders = replica_holders(spec, stage_to_rank, name)
+        if len(holders) < 2:
+            continue
+        for ranks in sorted({tuple(r) for r in everyone}):   # same order on every rank
+            members = [ranks[r] for r in holders]
+            made = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
+            if dist.get_rank() in members:
+                groups[name] = made
+    return groups
+
+
+def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                         tie_embeddings: bool = True, timeout_s: float = 120.0):
+    """The group of the tied word embedding alone (replica_groups; None where there is
+    nothing to reduce across ranks or this rank holds no copy). Collective."""
+    if not tie_embeddings:
+        return None
+    only = ModelSpec(**{**spec.__dict__, "position_embedding_type": "learned_absolute"}) \
+        if spec.position_embedding_type == "relative" else spec
+    return replica_groups(only, stage_to_rank, True, timeout_s).get(TIED_EMBEDDING)
 
 
 def stage_parameters(rank_stages: Mapping[int, StageModule]):
