@@ -15,6 +15,7 @@ from megatron.model.hf_convert import (ConversionError, pack_per_head, read_conv
                                        read_hf, unpack_per_head)
 from multiproc import run_in_processes, single_process_world
 from test_hf_convert import TOLERANCE, assert_close_logits, convert
+from test_training import sp_dataset  # noqa: F401  (fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,3 +179,33 @@ def test_t5_export_then_import_is_identity(tmp_path):
     again, _ = read_hf(str(tmp_path / "back"))
     assert sorted(again) == sorted(full)
     assert all(torch.equal(again[k], full[k][:len(again[k])]) for k in full)
+
+
+T5_V11_FLAGS = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
+                "--gated-gelu", "--softmax-scale", "1.0", "--kv-channels", "8",
+                "--position-embedding-type", "relative", "--relative-attention-num-buckets",
+                "8", "--relative-attention-max-distance", "32"]
+
+
+@pytest.mark.slow
+def test_t5_v11_options_train_at_pp2_and_keep_relative_bias_copies_equal(sp_dataset, tmp_path):
+    """pretrain_t5.py with every T5 v1.1 option at PP=2: 3 encoder layers + 1 decoder layer
+    put encoder layers on both stages, so both hold a copy of the encoder's relative-bias
+    table; the loss falls and the two saved copies are still equal (their gradients were
+    summed over the pipeline; without that sum this test fails: the copies drift apart)."""
+    from megatron.training import checkpointing as ckpt
+    from test_training import TINY_MODEL, torchrun
+    args = sp_dataset + TINY_MODEL + T5_V11_FLAGS + [
+        "--pipeline-model-parallel-size", "2", "--num-layers", "3", "--decoder-num-layers", "1",
+        "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--train-iters", "6",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "6"]
+    stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl")
+    losses = [s["loss"] for s in stats]
+    assert max(losses[-2:]) < losses[0], f"loss did not decrease: {losses}"
+    common = ckpt.read_common(str(tmp_path / "ckpt"))
+    name = "encoder_relative_pos.relative_attention_bias.weight"
+    model, _ = ckpt.read_shards(str(tmp_path / "ckpt"), 6, common, {name}, False)
+    copies = [s["tensor"] for s in model[name]]
+    assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+    assert "decoder_relative_pos.relative_attention_bias.weight" in ckpt.read_full_model_state(
+        str(tmp_path / "ckpt"))
