@@ -22,6 +22,12 @@ segment ids on the device). No S x S array is ever built on the host:
   gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
   length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
 
+A position bias (T5's relative buckets, `AttentionMask.bias`, [1, heads, sq, sk] indexed by
+positions in the row) takes one path on every device: one SDPA call whose float mask is the bias
+where the segment mask allows and -inf elsewhere (S^2, as the bias itself is; a FlexAttention
+score_mod would avoid materialising it on CUDA, not done yet). Masks without a bias take the
+paths above unchanged.
+
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
 from __future__ import annotations
