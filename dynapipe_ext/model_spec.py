@@ -71,10 +71,12 @@ class ModelSpec:
 
     def shared_vocab_params(self, kinds: tuple[str, ...], tp: int = 1) -> float:
         """Parameters (per TP rank) that per-kind counts count twice in a stage of these layer
-        kinds: with tied embeddings the stage's embedding(s) and head are one matrix (copies on
-        other stages are theirs to count)."""
-        uses = sum(k in (EMBEDDING, DEC_EMBEDDING, HEAD) for k in kinds)
-        if not self.tied_embeddings or uses < 2:
+        kinds: the stage's embedding(s) and, with tied embeddings, its head are one matrix (T5's
+        encoder and decoder embeddings always are; copies on other stages are theirs to count)."""
+        tied = (EMBEDDING, DEC_EMBEDDING, HEAD) if self.tied_embeddings else (EMBEDDING,
+                                                                              DEC_EMBEDDING)
+        uses = sum(k in tied for k in kinds)
+        if uses < 2:
             return 0.0
         return (uses - 1) * self.vocab_size * self.hidden_size / tp
 

@@ -184,15 +184,17 @@ def test_t5_export_then_import_is_identity(tmp_path):
 T5_V11_FLAGS = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
                 "--gated-gelu", "--softmax-scale", "1.0", "--kv-channels", "8",
                 "--position-embedding-type", "relative", "--relative-attention-num-buckets",
-                "8", "--relative-attention-max-distance", "32"]
+                "8", "--relative-attention-max-distance", "32",
+                "--untie-embeddings-and-output-weights"]
 
 
 @pytest.mark.slow
-def test_t5_v11_options_train_at_pp2_and_keep_relative_bias_copies_equal(sp_dataset, tmp_path):
+def test_t5_v11_options_train_at_pp2_and_keep_replicated_copies_equal(sp_dataset, tmp_path):
     """pretrain_t5.py with every T5 v1.1 option at PP=2: 3 encoder layers + 1 decoder layer
     put encoder layers on both stages, so both hold a copy of the encoder's relative-bias
-    table; the loss falls and the two saved copies are still equal (their gradients were
-    summed over the pipeline; without that sum this test fails: the copies drift apart)."""
+    table (and of the input embedding, used by the decoder on stage 1); the loss falls and
+    the saved copies are still equal (their gradients were summed over the pipeline; without
+    that sum this test fails: the copies drift apart)."""
     from megatron.training import checkpointing as ckpt
     from test_training import TINY_MODEL, torchrun
     args = sp_dataset + TINY_MODEL + T5_V11_FLAGS + [
@@ -203,9 +205,13 @@ def test_t5_v11_options_train_at_pp2_and_keep_relative_bias_copies_equal(sp_data
     losses = [s["loss"] for s in stats]
     assert max(losses[-2:]) < losses[0], f"loss did not decrease: {losses}"
     common = ckpt.read_common(str(tmp_path / "ckpt"))
-    name = "encoder_relative_pos.relative_attention_bias.weight"
-    model, _ = ckpt.read_shards(str(tmp_path / "ckpt"), 6, common, {name}, False)
-    copies = [s["tensor"] for s in model[name]]
-    assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+    # the untied model's input embedding is shared by the encoder (stage 0) and the decoder
+    # (stage 1), like the encoder's relative-bias table: two copies each, still equal
+    names = {"encoder_relative_pos.relative_attention_bias.weight",
+             "embedding.word_embeddings.weight"}
+    model, _ = ckpt.read_shards(str(tmp_path / "ckpt"), 6, common, names, False)
+    for name in names:
+        copies = [s["tensor"] for s in model[name]]
+        assert len(copies) == 2 and torch.equal(copies[0], copies[1]), name
     assert "decoder_relative_pos.relative_attention_bias.weight" in ckpt.read_full_model_state(
         str(tmp_path / "ckpt"))

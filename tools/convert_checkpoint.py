@@ -1,4 +1,5 @@
-"""Convert Hugging Face GPT-2 and T5 v1.1 / FLAN-T5 checkpoints to this project's model state and back
+"""Convert Hugging Face GPT-2 and T5 v1.1 / FLAN-T5 checkpoints to this project's model state
+and back
 (megatron/model/hf_convert.py does the mapping).
 
     # import: a save_pretrained directory on disk -> a directory that training loads

@@ -14,9 +14,8 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   position buckets, untied lm_head): HF's separate q, k, v (and cross-attention k, v) are packed
   per head into linear_qkv (linear_kv); the gated MLP's wi_0 (GeLU) and wi_1 (linear) are the
   two halves of linear_fc1; the relative-attention-bias tables of the first encoder / decoder
-  block become `encoder_relative_pos` / `decoder_relative_pos`. HF shares one input embedding
-  between encoder and decoder: the import gives our decoder embedding a copy and the export
-  requires the two to be equal.
+  block become `encoder_relative_pos` / `decoder_relative_pos`. HF's `shared` input embedding
+  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of 128 x TP); `fit_vocab` pads a full state's vocabulary rows the way Megatron's
@@ -317,8 +316,7 @@ def _t5_packed(args: ModelArgs) -> list[tuple[list[str], str]]:
 
 def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
                        where: str = "T5 checkpoint") -> dict[str, torch.Tensor]:
-    """Full state of our T5 from a T5ForConditionalGeneration state dict (fp32, contiguous);
-    the decoder embedding is a copy of HF's shared input embedding."""
+    """Full state of our T5 from a T5ForConditionalGeneration state dict (fp32, contiguous)."""
     heads = args.num_attention_heads
     full = {ours: _take(hf_state, hf, where).float().contiguous()
             for hf, ours in _t5_pairs(args)}
@@ -326,18 +324,13 @@ def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
         tensors = [_take(hf_state, n, where).float() for n in names]
         full[ours] = (torch.cat(tensors) if ours.endswith("linear_fc1.weight")
                       else pack_per_head(tensors, heads)).contiguous()
-    full["decoder_embedding.word_embeddings.weight"] = full[TIED_EMBEDDING].clone()
     return full
 
 
 def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
                        where: str = "full state") -> dict[str, torch.Tensor]:
     """T5ForConditionalGeneration state dict from our T5's full state (padded vocabulary rows
-    dropped). HF T5 has one input embedding: ours must equal the decoder's."""
-    dec_embedding = _take(full, "decoder_embedding.word_embeddings.weight", where)
-    if not torch.equal(dec_embedding, _take(full, TIED_EMBEDDING, where)):
-        raise ConversionError(f"{where}: the decoder embedding differs from the encoder's; "
-                              "T5ForConditionalGeneration shares one input embedding")
+    dropped)."""
     heads = args.num_attention_heads
     hf = {name: _take(full, ours, where).contiguous() for name, ours in _t5_pairs(args)}
     for names, ours in _t5_packed(args):

@@ -10,11 +10,12 @@ Word embeddings are tied by default, as in Megatron: the output layer (and the T
 embedding) use the input word embedding's weight, global name `embedding.word_embeddings.weight`.
 Within one stage module it is one Parameter; stages that hold a copy elsewhere (another stage
 module, maybe on another pipeline rank) start from the same value (same global name, same init)
-and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the groups
-of replica_groups), so the copies stay equal; T5's relative-position-bias tables, one per stack on
-every stage with layers of that stack, are replicated the same way. `tie_embeddings=False` (Megatron's
-`--untie-embeddings-and-output-weights`) gives the output layer (`output_layer.weight`) and the
-T5 decoder embedding their own weights.
+and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the
+groups of replica_groups), so the copies stay equal; T5's relative-position-bias tables, one per
+stack on every stage with layers of that stack, are replicated the same way.
+`tie_embeddings=False` (Megatron's `--untie-embeddings-and-output-weights`) gives the output
+layer its own weight (`output_layer.weight`); the T5 decoder embedding stays the encoder's, as in
+Megatron's T5Model (one embedding for both) and HF's T5 (`shared`).
 
 Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by the previous
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
@@ -310,16 +311,18 @@ class StageModule(torch.nn.Module):
         # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
         # position embeddings and local-spec norms fp32); the loss is fp32 (OutputHead)
         self.to(dtype=config.params_dtype)
-        if tie_embeddings:
-            self._tie_word_embeddings()
+        if tie_embeddings or spec.model == "t5":
+            self._tie_word_embeddings(with_head=tie_embeddings)
         self._mark_relative_copies()
 
-    def _tie_word_embeddings(self) -> None:
-        """One Parameter for every word-embedding copy of this stage; marks it `tied_embedding`
-        (GradBuffer sums the copies' gradients) and, on stages without the input embedding,
-        `shared` (megatron-core's mark: left out of the gradient norm, counted once there)."""
+    def _tie_word_embeddings(self, with_head: bool = True) -> None:
+        """One Parameter for every word-embedding copy of this stage (the output layer's too
+        `with_head`); marks it `tied_embedding` (GradBuffer sums the copies' gradients) and,
+        on stages without the input embedding, `shared` (megatron-core's mark: left out of the
+        gradient norm, counted once there)."""
         holders = [m.word_embeddings for m in (self.embedding, self.decoder_embedding)
-                   if m is not None] + ([self.head.output_layer] if self.head else [])
+                   if m is not None] + ([self.head.output_layer] if self.head and with_head
+                                        else [])
         if not holders:
             return
         weight = holders[0].weight
@@ -355,7 +358,7 @@ class StageModule(torch.nn.Module):
             else:
                 offset = max(self.first_decoder_layer, 0)
             return f"{block}.layers.{idx + offset}.{rest}"
-        if self.tie_embeddings and local_name in TIED_COPIES:
+        if local_name == TIED_COPIES[0] or (self.tie_embeddings and local_name in TIED_COPIES):
             return TIED_EMBEDDING
         if local_name.startswith("head."):
             return local_name[len("head."):]
@@ -416,10 +419,11 @@ class StageModule(torch.nn.Module):
         return (enc,) if dec is None else (enc, dec)
 
 
-def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...]) -> tuple[int, ...]:
+def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                      tie_embeddings: bool = True) -> tuple[int, ...]:
     """Pipeline ranks that hold a copy of the tied word embedding (the stages with the input
-    embedding, the T5 decoder embedding or the head), sorted."""
-    return replica_holders(spec, stage_to_rank, TIED_EMBEDDING)
+    embedding, the T5 decoder embedding or, when tied, the head), sorted."""
+    return replica_holders(spec, stage_to_rank, TIED_EMBEDDING, tie_embeddings)
 
 
 RELATIVE_TABLES = {"encoder_relative_pos.relative_attention_bias.weight": ENC_LAYER,
@@ -429,18 +433,18 @@ RELATIVE_TABLES = {"encoder_relative_pos.relative_attention_bias.weight": ENC_LA
 def replicated_names(spec: ModelSpec, tie_embeddings: bool = True) -> tuple[str, ...]:
     """Global names of the parameters of which several stages may hold a copy: the tied word
     embedding and the T5 relative-position-bias tables."""
-    names = (TIED_EMBEDDING,) if tie_embeddings else ()
+    names = (TIED_EMBEDDING,) if tie_embeddings or spec.model == "t5" else ()
     if spec.position_embedding_type == "relative":
         names += tuple(RELATIVE_TABLES)
     return names
 
 
-def replica_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...],
-                    name: str) -> tuple[int, ...]:
+def replica_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...], name: str,
+                    tie_embeddings: bool = True) -> tuple[int, ...]:
     """Pipeline ranks holding a copy of replicated parameter `name`, sorted."""
     kinds = spec.stage_layers(len(stage_to_rank))
     if name == TIED_EMBEDDING:
-        holds = (EMBEDDING, DEC_EMBEDDING, HEAD)
+        holds = (EMBEDDING, DEC_EMBEDDING, HEAD) if tie_embeddings else (EMBEDDING, DEC_EMBEDDING)
     elif name in RELATIVE_TABLES:
         holds = (RELATIVE_TABLES[name],)
     else:
@@ -469,7 +473,7 @@ def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: 
         for param in module.parameters():
             name = getattr(param, "replicated", None)
             if name is not None:
-                param.tied_ranks = replica_holders(spec, stage_to_rank, name)
+                param.tied_ranks = replica_holders(spec, stage_to_rank, name, tie_embeddings)
     if device is not None:
         for module in stages.values():
             module.to(device)
@@ -492,7 +496,7 @@ def replica_groups(spec: ModelSpec, stage_to_rank: tuple[int, ...],
     dist.all_gather_object(everyone, mine)
     groups = {}
     for name in replicated_names(spec, tie_embeddings):
-        holders = replica_holders(spec, stage_to_rank, name)
+        holders = replica_holders(spec, stage_to_rank, name, tie_embeddings)
         if len(holders) < 2:
             continue
         for ranks in sorted({tuple(r) for r in everyone}):   # same order on every rank
@@ -507,11 +511,9 @@ def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
                          tie_embeddings: bool = True, timeout_s: float = 120.0):
     """The group of the tied word embedding alone (replica_groups; None where there is
     nothing to reduce across ranks or this rank holds no copy). Collective."""
-    if not tie_embeddings:
-        return None
     only = ModelSpec(**{**spec.__dict__, "position_embedding_type": "learned_absolute"}) \
         if spec.position_embedding_type == "relative" else spec
-    return replica_groups(only, stage_to_rank, True, timeout_s).get(TIED_EMBEDDING)
+    return replica_groups(only, stage_to_rank, tie_embeddings, timeout_s).get(TIED_EMBEDDING)
 
 
 def stage_parameters(rank_stages: Mapping[int, StageModule]):

@@ -381,9 +381,9 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the longest sequence length")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="give the output layer (and the T5 decoder embedding) their own "
-                        "weights; by default they share the input word embedding, as in "
-                        "Megatron")
+                   help="give the output layer its own weights; by default it shares the "
+                        "input word embedding, as in Megatron (T5's decoder embedding always "
+                        "does; T5 v1.1 / FLAN-T5 are untied)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
                    help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5,
