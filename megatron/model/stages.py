@@ -114,6 +114,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
+    fuse_activation = fused and spec.add_bias_linear   # bias-GeLU needs a bias to fuse
     config = TransformerConfig(
         normalization=spec.normalization,
         layernorm_epsilon=spec.layernorm_epsilon,
@@ -136,7 +137,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_dropout_fusion=fused,
-        bias_activation_fusion=fused and spec.add_bias_linear,
+        bias_activation_fusion=fuse_activation,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -144,7 +145,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         sequence_parallel=False,
         cuda_graph_scope=[],   # no CUDA graphs; silences megatron-core's "full scope" warning
         # megatron-core fuses F.gelu as its tanh approximation; unfused, say so explicitly
-        activation_func=torch.nn.functional.gelu if fused else gelu_tanh,
+        activation_func=torch.nn.functional.gelu if fuse_activation else gelu_tanh,
     )
     set_recompute(config, recompute)
     return config
