@@ -187,6 +187,9 @@ class AnalyticCostModel(CostModel):
         # (2f), activation of the gate and the product (4f); the transient activation grows alike
         m = self.mlp_matrices
         kept_f = 2 * m - 2
+        # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
+        # call with that mask, attention.SDPAttention._biased), kept for backward
+        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
         if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             if kind == DEC_LAYER:
                 lin = 2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp
@@ -195,7 +198,8 @@ class AnalyticCostModel(CostModel):
                                    + (12 * b * d * h + 2 * kept_f * b * d * f + 4 * b * s * h)
                                    / tp)
                 kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
-                            else half * att_copies * a * b * (d * d + s * d) / tp)
+                            else half * att_copies * a * b * (d * d + s * d) / tp) \
+                    + biased * dt * a * b * d * d / tp
                 score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
                 ffn = dt * b * d * f * (m - 1) / tp
@@ -205,7 +209,8 @@ class AnalyticCostModel(CostModel):
                 kept_lin = half * ((8 + 2 * masks) * b * s * h
                                    + (8 * b * s * h + 2 * kept_f * b * s * f) / tp)
                 kept_att = (4.0 * a * b * s / tp if self.fused_attention
-                            else half * att_copies * a * b * s * s / tp)
+                            else half * att_copies * a * b * s * s / tp) \
+                    + biased * dt * a * b * s * s / tp
                 score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
                 ffn = dt * b * s * f * (m - 1) / tp

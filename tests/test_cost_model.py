@@ -189,6 +189,13 @@ def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
     fwd_gated = gated.stage_costs(1, 256, 64, 2)[0]
     assert fwd_gated.fwd_ms > fwd_plain.fwd_ms
     assert fwd_gated.activation_bytes > fwd_plain.activation_bytes
+    # relative buckets keep a float score bias per self-attention: grows with s^2
+    rel = AnalyticCostModel(dataclasses.replace(T5, position_embedding_type="relative"))
+    (small,), (big,) = rel.stage_costs(1, 128, 32, 1), rel.stage_costs(1, 256, 32, 1)
+    (small0,), (big0,) = plain.stage_costs(1, 128, 32, 1), plain.stage_costs(1, 256, 32, 1)
+    extra_small = small.activation_bytes - small0.activation_bytes
+    extra_big = big.activation_bytes - big0.activation_bytes
+    assert extra_small > 0 and extra_big - extra_small > 2 * extra_small   # ~4x: quadratic
     # no learned position table with relative buckets
     assert plain.layer_params(EMBEDDING) - gated.layer_params(EMBEDDING) == \
         T5.max_position_embeddings * h
