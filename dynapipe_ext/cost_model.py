@@ -139,17 +139,25 @@ class AnalyticCostModel(CostModel):
         self.fused_attention = fused_attention
 
     # ---- model states
+    @property
+    def mlp_matrices(self) -> int:
+        """h x f matrices of the MLP: 2, or 3 with a gated linear unit (fc1 has 2f rows)."""
+        return 3 if self.spec.gated_linear_unit else 2
+
     def layer_params(self, kind: str) -> float:
         """Parameters of one layer kind held by one tensor-parallel rank (biases ignored)."""
         h, f, v, tp = self.spec.hidden_size, self.spec.ffn_size, self.spec.vocab_size, self.tp
+        m = self.mlp_matrices
+        positions = (self.spec.max_position_embeddings * h
+                     if self.spec.position_embedding_type == "learned_absolute" else 0)
         if kind in (GPT_LAYER, ENC_LAYER):
-            return (4 * h * h + 2 * h * f) / tp
+            return (4 * h * h + m * h * f) / tp
         if kind == DEC_LAYER:
-            return (8 * h * h + 2 * h * f) / tp
+            return (8 * h * h + m * h * f) / tp
         if kind == EMBEDDING:
-            return v * h / tp + self.spec.max_position_embeddings * h
+            return v * h / tp + positions
         if kind == DEC_EMBEDDING:
-            return v * h / tp + self.spec.max_position_embeddings * h
+            return v * h / tp + positions
         if kind == HEAD:
             return v * h / tp
         return 2 * h  # norms
@@ -175,27 +183,37 @@ class AnalyticCostModel(CostModel):
         zero = np.zeros_like(b)
         masks = 1.0 if self.dropout else 0.0      # 1-byte dropout masks, per sbh
         att_copies = 5.0 if self.dropout else 2.0  # softmax out (+ dropout mask and output)
+        # MLP: m h x f matrices; kept fc1 output and activation output (2f), gated: fc1 output
+        # (2f), activation of the gate and the product (4f); the transient activation grows alike
+        m = self.mlp_matrices
+        kept_f = 2 * m - 2
+        # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
+        # call with that mask, attention.SDPAttention._biased), kept for backward
+        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
         if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             if kind == DEC_LAYER:
-                lin = 2 * b * d * (6 * h * h + 2 * h * f) / tp + 2 * b * s * 2 * h * h / tp
+                lin = 2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp
                 att = 4 * b * d * d * h / tp + 4 * b * s * d * h / tp
                 kept_lin = half * ((12 + 3 * masks) * b * d * h
-                                   + (12 * b * d * h + 4 * b * d * f + 4 * b * s * h) / tp)
+                                   + (12 * b * d * h + 2 * kept_f * b * d * f + 4 * b * s * h)
+                                   / tp)
                 kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
-                            else half * att_copies * a * b * (d * d + s * d) / tp)
+                            else half * att_copies * a * b * (d * d + s * d) / tp) \
+                    + biased * dt * a * b * d * d / tp
                 score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
-                ffn = dt * b * d * f / tp
+                ffn = dt * b * d * f * (m - 1) / tp
             else:
-                lin = 2 * b * s * (4 * h * h + 2 * h * f) / tp
+                lin = 2 * b * s * (4 * h * h + m * h * f) / tp
                 att = 4 * b * s * s * h / tp
                 kept_lin = half * ((8 + 2 * masks) * b * s * h
-                                   + (8 * b * s * h + 4 * b * s * f) / tp)
+                                   + (8 * b * s * h + 2 * kept_f * b * s * f) / tp)
                 kept_att = (4.0 * a * b * s / tp if self.fused_attention
-                            else half * att_copies * a * b * s * s / tp)
+                            else half * att_copies * a * b * s * s / tp) \
+                    + biased * dt * a * b * s * s / tp
                 score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
-                ffn = dt * b * s * f / tp
+                ffn = dt * b * s * f * (m - 1) / tp
             transient = 2 * score + ffn
             if recompute == "none":
                 return lin + att, zero, kept_lin + kept_att, transient

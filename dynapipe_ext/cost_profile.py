@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -70,12 +71,20 @@ def profile_kinds(spec: ModelSpec) -> tuple[str, ...]:
     return (EMBEDDING, ENC_LAYER, ENC_NORM, DEC_EMBEDDING, DEC_LAYER, HEAD)
 
 
+LAYER_OPTIONS = ("normalization", "layernorm_epsilon", "add_bias_linear", "gated_linear_unit",
+                 "softmax_scale", "position_embedding_type", "relative_attention_num_buckets",
+                 "relative_attention_max_distance", "kv_channels")
+
+
 def profile_key(spec: ModelSpec, tp: int, device: str, dtype: str) -> dict:
     """What a profile is valid for: every ModelSpec field, the TP degree, device and dtype."""
     if dtype not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"dtype must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {dtype!r}")
+    # per-kind tables do not depend on tying; layer options (gated MLP, norms, ...) enter the
+    # key only when not at their defaults, so profiles made before they existed still match
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     shape = {k: v for k, v in dataclasses.asdict(spec).items()
-             if k != "tied_embeddings"}   # per-kind tables do not depend on it
+             if k != "tied_embeddings" and not (k in LAYER_OPTIONS and v == defaults[k])}
     return {**shape, "tensor_model_parallel_size": int(tp), "device": str(device),
             "dtype": dtype}
 
@@ -88,7 +97,16 @@ def profile_file_name(key: dict) -> str:
     ffn = key["ffn_hidden_size"] or 4 * key["hidden_size"]
     return (f"{key['model']}-{layers}-h{key['hidden_size']}-a{key['num_attention_heads']}"
             f"-f{ffn}-v{key['vocab_size']}-p{key['max_position_embeddings']}"
-            f"-tp{key['tensor_model_parallel_size']}-{device}-{key['dtype']}.json")
+            f"-tp{key['tensor_model_parallel_size']}{_options_tag(key)}-{device}-{key['dtype']}"
+            ".json")
+
+
+def _options_tag(key: dict) -> str:
+    """'-o<crc32>' of the non-default layer options in a key ('' when there are none)."""
+    options = {k: key[k] for k in LAYER_OPTIONS if k in key}
+    if not options:
+        return ""
+    return f"-o{zlib.crc32(json.dumps(options, sort_keys=True).encode()):08x}"
 
 
 # ------------------------------------------------------------------ tables and interpolation

@@ -28,13 +28,32 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     tied_embeddings: bool = False  # output layer (and T5 decoder embedding) share the word
                                    # embedding: one matrix per stage that holds several uses
+    # layer options (Megatron-LM flag names; T5 v1.1 / FLAN-T5: RMSNorm, no linear biases,
+    # gated GeLU, softmax scale 1, relative position buckets, kv_channels != hidden / heads)
+    normalization: str = "LayerNorm"          # --normalization {LayerNorm,RMSNorm}
+    layernorm_epsilon: float = 1e-5           # --norm-epsilon
+    add_bias_linear: bool = True              # --disable-bias-linear sets False
+    gated_linear_unit: bool = False           # --gated-gelu: fc1 has 2 x ffn rows (3 matrices)
+    softmax_scale: float | None = None        # None: 1/sqrt(kv_channels); T5: 1.0
+    position_embedding_type: str = "learned_absolute"   # or "relative" (T5 buckets)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    kv_channels: int = 0                      # per-head size; 0 means hidden / heads
 
     def __post_init__(self):
         if self.model not in ("gpt", "t5"):
             raise ValueError(f"model must be 'gpt' or 't5', got {self.model!r}")
         if self.model == "t5" and self.num_decoder_layers <= 0:
             raise ValueError("a T5 ModelSpec needs num_decoder_layers > 0")
-        if self.hidden_size % self.num_attention_heads:
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be LayerNorm or RMSNorm, got "
+                             f"{self.normalization!r}")
+        if self.position_embedding_type not in ("learned_absolute", "relative"):
+            raise ValueError("position_embedding_type must be learned_absolute or relative, "
+                             f"got {self.position_embedding_type!r}")
+        if self.position_embedding_type == "relative" and self.model != "t5":
+            raise ValueError("relative position buckets are a T5 option")
+        if not self.kv_channels and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
 
@@ -43,15 +62,21 @@ class ModelSpec:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
     def total_layers(self) -> int:
         return self.num_layers + self.num_decoder_layers
 
     def shared_vocab_params(self, kinds: tuple[str, ...], tp: int = 1) -> float:
         """Parameters (per TP rank) that per-kind counts count twice in a stage of these layer
-        kinds: with tied embeddings the stage's embedding(s) and head are one matrix (copies on
-        other stages are theirs to count)."""
-        uses = sum(k in (EMBEDDING, DEC_EMBEDDING, HEAD) for k in kinds)
-        if not self.tied_embeddings or uses < 2:
+        kinds: the stage's embedding(s) and, with tied embeddings, its head are one matrix (T5's
+        encoder and decoder embeddings always are; copies on other stages are theirs to count)."""
+        tied = (EMBEDDING, DEC_EMBEDDING, HEAD) if self.tied_embeddings else (EMBEDDING,
+                                                                              DEC_EMBEDDING)
+        uses = sum(k in tied for k in kinds)
+        if uses < 2:
             return 0.0
         return (uses - 1) * self.vocab_size * self.hidden_size / tp
 

@@ -222,3 +222,27 @@ def test_dropout_flags_reach_the_config_and_are_checked(capsys):
                                                 "-0.1"])
     assert "--hidden-dropout must lie in [0, 1), got 1.0" in err
     assert "--attention-dropout must lie in [0, 1), got -0.1" in err
+
+
+def test_t5_v11_layer_options_reach_the_model_spec():
+    from megatron.training.training import model_spec
+    cfg = parse_args("t5", BASE + ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+                                   "--disable-bias-linear", "--gated-gelu", "--softmax-scale",
+                                   "1.0", "--kv-channels", "64", "--position-embedding-type",
+                                   "relative", "--relative-attention-num-buckets", "16",
+                                   "--relative-attention-max-distance", "64",
+                                   "--untie-embeddings-and-output-weights"])
+    spec = model_spec(cfg, 1000)
+    assert (spec.normalization, spec.layernorm_epsilon, spec.add_bias_linear,
+            spec.gated_linear_unit, spec.softmax_scale, spec.kv_channels,
+            spec.position_embedding_type, spec.relative_attention_num_buckets,
+            spec.relative_attention_max_distance, spec.tied_embeddings) == (
+        "RMSNorm", 1e-6, False, True, 1.0, 64, "relative", 16, 64, False)
+    plain = model_spec(parse_args("gpt", BASE), 1000)
+    assert (plain.normalization, plain.add_bias_linear, plain.gated_linear_unit,
+            plain.position_embedding_type) == ("LayerNorm", True, False, "learned_absolute")
+
+
+def test_relative_positions_on_gpt_are_rejected(capsys):
+    err = parse_or_exit_message(capsys, "gpt", ["--position-embedding-type", "relative"])
+    assert "--position-embedding-type relative is a T5 option" in err

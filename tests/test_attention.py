@@ -233,3 +233,33 @@ def test_fused_stage_on_cuda_matches_unfused(world):
         losses.append(run_stage_forward(stages[0], (), batch).detach())
     # the fused GELU is the tanh approximation (as Megatron-LM trains), the unfused one erf
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("lengths,causal", [([(5,), (3,)], False), ([(2, 3), (4,)], False),
+                                            ([(2, 3), (4,)], True), ([(6,), (1, 4)], True)])
+def test_position_bias_is_added_per_sample_with_padding_and_packing(world, lengths, causal):
+    """A mask with a bias (T5's relative positions): each real query's output is
+    softmax(scale q.k + bias) v over the keys of its own sample (earlier ones when causal),
+    the bias indexed by positions in the row; gradients reach the bias."""
+    seg = Segments.from_lengths(lengths, 6)
+    rows = len(lengths)
+    q, k, v = (torch.randn(6, rows, HEADS, DIM, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, HEADS, 6, 6, requires_grad=True)
+    attn = core(SDPAttention, AttnMaskType.causal if causal else AttnMaskType.padding)
+    out = attn(q, k, v, AttentionMask(seg, seg, bias=bias), None)
+    out.sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+    scale = attn.effective_scale
+    out = out.reshape(6, rows, HEADS, DIM)
+    for r, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            span = slice(start, start + n)
+            qs, ks, vs = (t[span, r].transpose(0, 1) for t in (q, k, v))   # [heads, n, dim]
+            scores = scale * qs @ ks.transpose(1, 2) + bias[0, :, span, span]
+            if causal:
+                scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                            float("-inf"))
+            want = (scores.softmax(-1) @ vs).transpose(0, 1)
+            torch.testing.assert_close(out[span, r], want, rtol=1e-5, atol=1e-5)
+            start += n

@@ -168,3 +168,48 @@ def test_fused_attention_keeps_no_s_squared_activations():
     assert kept(2 * s, fused_attention=False) / kept(s, fused_attention=False) > linear
     # ...up to the head's logits, which are linear too
     assert linear == pytest.approx(2.0, rel=1e-9)
+
+
+def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
+    """T5 v1.1's gated GeLU: an MLP of 3 h x f matrices in parameters, flops and kept
+    activations; the parameter count equals a built encoder layer's (no biases, RMSNorm
+    weights aside)."""
+    import dataclasses
+
+    import torch
+
+    from dynapipe_ext.cost_profile import profile_file_name, profile_key
+    from dynapipe_ext.model_spec import EMBEDDING, ENC_LAYER
+    v11 = dataclasses.replace(T5, gated_linear_unit=True, add_bias_linear=False,
+                              normalization="RMSNorm", position_embedding_type="relative")
+    h, f = T5.hidden_size, T5.ffn_size
+    plain, gated = AnalyticCostModel(T5), AnalyticCostModel(v11)
+    assert gated.layer_params(ENC_LAYER) - plain.layer_params(ENC_LAYER) == h * f
+    fwd_plain = plain.stage_costs(1, 256, 64, 2)[0]
+    fwd_gated = gated.stage_costs(1, 256, 64, 2)[0]
+    assert fwd_gated.fwd_ms > fwd_plain.fwd_ms
+    assert fwd_gated.activation_bytes > fwd_plain.activation_bytes
+    # relative buckets keep a float score bias per self-attention: grows with s^2
+    rel = AnalyticCostModel(dataclasses.replace(T5, position_embedding_type="relative"))
+    (small,), (big,) = rel.stage_costs(1, 128, 32, 1), rel.stage_costs(1, 256, 32, 1)
+    (small0,), (big0,) = plain.stage_costs(1, 128, 32, 1), plain.stage_costs(1, 256, 32, 1)
+    extra_small = small.activation_bytes - small0.activation_bytes
+    extra_big = big.activation_bytes - big0.activation_bytes
+    assert extra_small > 0 and extra_big - extra_small > 2 * extra_small   # ~4x: quadratic
+    # no learned position table with relative buckets
+    assert plain.layer_params(EMBEDDING) - gated.layer_params(EMBEDDING) == \
+        T5.max_position_embeddings * h
+    key_plain, key_gated = profile_key(T5, 1, "cpu", "float32"), profile_key(v11, 1, "cpu",
+                                                                             "float32")
+    assert "gated_linear_unit" not in key_plain and key_gated["gated_linear_unit"] is True
+    assert profile_file_name(key_plain) != profile_file_name(key_gated)
+
+    from megatron.model.stages import StageModule, build_transformer_config
+    from multiproc import single_process_world
+    small = dataclasses.replace(v11, num_layers=1, num_decoder_layers=1, hidden_size=32,
+                                num_attention_heads=4, ffn_hidden_size=48, vocab_size=128)
+    with single_process_world(seed=1):
+        stage = StageModule(small, 1, 0, build_transformer_config(small), False)
+    layer = stage.encoder.layers[0]
+    counted = sum(p.numel() for n, p in layer.named_parameters() if "layernorm" not in n)
+    assert counted == AnalyticCostModel(small).layer_params(ENC_LAYER)

@@ -50,3 +50,22 @@ def test_missing_chunk_and_wrong_shape_are_named(full):
     del bad["n"]
     with pytest.raises(ValueError, match=r"ckpt: does not fit.*b: shape \(3, 7\).*n: missing"):
         load_full_state(make_params(1, 0, full).items(), bad, 0, 1, "ckpt")
+
+
+def test_gated_fc1_shards_hold_a_chunk_of_each_half_and_reassemble():
+    """A gated MLP's fc1 ([gate; up] rows, `gated_halves`): TP rank r holds chunk r of the gate
+    rows and chunk r of the up rows; shards saved at TP=2 assemble to the full tensor and
+    reslice for TP=4."""
+    from megatron.model.full_state import assemble, local_part, shard_of
+    from megatron.model.init_weights import tp_slice
+    full = torch.arange(16.0).reshape(8, 2)           # gate rows 0-3, up rows 4-7
+    like = torch.nn.Parameter(torch.empty(4, 2))
+    like.tensor_model_parallel, like.partition_dim, like.gated_halves = True, 0, True
+    parts = [tp_slice(full, like, r, 2) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0, 2, 8, 10] and parts[1][:, 0].tolist() == [4, 6, 12, 14]
+    shards = [shard_of(p, like, r, 2) for r, p in enumerate(parts)]
+    assert all(s["halves"] == 2 for s in shards)
+    assert torch.equal(assemble("fc1", shards), full)
+    like4 = torch.nn.Parameter(torch.empty(2, 2))
+    like4.tensor_model_parallel, like4.partition_dim, like4.gated_halves = True, 0, True
+    assert local_part("fc1", shards, like4, 1, 4)[:, 0].tolist() == [2, 10]

@@ -1,4 +1,5 @@
-"""Convert Hugging Face GPT-2 checkpoints to this project's model state and back
+"""Convert Hugging Face GPT-2 and T5 v1.1 / FLAN-T5 checkpoints to this project's model state
+and back
 (megatron/model/hf_convert.py does the mapping).
 
     # import: a save_pretrained directory on disk -> a directory that training loads
@@ -39,6 +40,20 @@ def training_flags(args) -> str:
              f"--max-position-embeddings {args.max_position_embeddings}")
     if args.untie_embeddings_and_output_weights:
         flags += " --untie-embeddings-and-output-weights"
+    if args.normalization != "LayerNorm":
+        flags += f" --normalization {args.normalization} --norm-epsilon {args.layernorm_epsilon}"
+    if not args.add_bias_linear:
+        flags += " --disable-bias-linear"
+    if args.gated_linear_unit:
+        flags += " --gated-gelu"
+    if args.softmax_scale is not None:
+        flags += f" --softmax-scale {args.softmax_scale}"
+    if args.kv_channels:
+        flags += f" --kv-channels {args.kv_channels}"
+    if args.position_embedding_type == "relative":
+        flags += (" --position-embedding-type relative --relative-attention-num-buckets "
+                  f"{args.relative_attention_num_buckets} --relative-attention-max-distance "
+                  f"{args.relative_attention_max_distance}")
     return flags
 
 

@@ -22,6 +22,12 @@ segment ids on the device). No S x S array is ever built on the host:
   gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
   length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
 
+A position bias (T5's relative buckets, `AttentionMask.bias`, [1, heads, sq, sk] indexed by
+positions in the row) takes one path on every device: one SDPA call whose float mask is the bias
+where the segment mask allows and -inf elsewhere (S^2, as the bias itself is; a FlexAttention
+score_mod would avoid materialising it on CUDA, not done yet). Masks without a bias take the
+paths above unchanged.
+
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
 from __future__ import annotations
@@ -92,6 +98,7 @@ class AttentionMask:
 
     q: Segments
     k: Segments
+    bias: torch.Tensor | None = None    # [1, heads, sq, sk] added to the scores (T5 buckets)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -199,6 +206,8 @@ class SDPAttention(DotProductAttention):
         elif not isinstance(attention_mask, AttentionMask):
             raise TypeError(f"attention_mask must be an AttentionMask, a bool tensor or None, "
                             f"got {type(attention_mask).__name__}")
+        elif attention_mask.bias is not None:
+            out = self._biased(q, k, v, attention_mask, causal)
         elif not (attention_mask.q.packed or attention_mask.k.packed):
             out = self._padded(q, k, v, attention_mask, causal)
         elif self.packed_attention == "mask":
@@ -243,6 +252,18 @@ class SDPAttention(DotProductAttention):
             return self._sdpa(q, k, v, None, True)
         allowed = (mask.k.ids > 0)[:, None, None, :] if mask.k.padded else None
         return self._sdpa(q, k, v, allowed, False)
+
+    def _biased(self, q, k, v, mask: AttentionMask, causal: bool):
+        """Scores plus the mask's position bias: one SDPA call with a float mask, the bias
+        where the segment mask allows and -inf elsewhere ([rows, heads, sq, sk]: S^2, as the
+        bias itself is)."""
+        if ("dense", causal) not in mask.cache:
+            mask.cache[("dense", causal)] = mask.dense(causal)
+        allowed = mask.cache[("dense", causal)]
+        bias = mask.bias.to(q.dtype)
+        scores = torch.where(allowed, bias, torch.tensor(float("-inf"), dtype=q.dtype,
+                                                         device=q.device))
+        return self._sdpa(q, k, v, scores, False)
 
     def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
         """One document-masked FlexAttention call (CUDA; it has no dropout, so only without)."""

@@ -8,7 +8,8 @@ parameter (the full tensor).
 
 A shard is a plain dict (weights_only-loadable): {"tensor", "dim", "index", "count"}: `tensor`
 is chunk `index` of `count` equal chunks of the full tensor along `dim` (dim -1 and count 1
-for an unsplit parameter).
+for an unsplit parameter). A gated MLP's fc1 shard also has "halves": 2: the tensor is the
+same chunk of the gate half and of the up half (init_weights.tp_slice).
 """
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ def shard_of(tensor: torch.Tensor, like: torch.Tensor, tp_rank: int, tp_size: in
     """`tensor` (this rank's part of a parameter, or of optimizer state shaped like it) as a
     shard, split the way parameter `like` is (megatron's tensor_model_parallel attributes)."""
     split = getattr(like, "tensor_model_parallel", False) and tp_size > 1
-    return {"tensor": tensor.detach().cpu(),
-            "dim": int(like.partition_dim) if split else -1,
-            "index": tp_rank if split else 0,
-            "count": tp_size if split else 1}
+    shard = {"tensor": tensor.detach().cpu(),
+             "dim": int(like.partition_dim) if split else -1,
+             "index": tp_rank if split else 0,
+             "count": tp_size if split else 1}
+    if split and getattr(like, "gated_halves", False):
+        shard["halves"] = 2
+    return shard
 
 
 def whole(tensor: torch.Tensor) -> dict:
@@ -57,8 +61,10 @@ def local_part(name: str, shards: list[dict], like: torch.Tensor, tp_rank: int,
     tensor is assembled and sliced."""
     split = getattr(like, "tensor_model_parallel", False) and tp_size > 1
     if split:
+        halves = 2 if getattr(like, "gated_halves", False) else 1
         for s in shards:
-            if (s["dim"], s["count"], s["index"]) == (like.partition_dim, tp_size, tp_rank):
+            if (s["dim"], s["count"], s["index"], s.get("halves", 1)) == (
+                    like.partition_dim, tp_size, tp_rank, halves):
                 return s["tensor"]
     return tp_slice(assemble(name, shards), like, tp_rank, tp_size)
 
@@ -69,17 +75,20 @@ def assemble(name: str, shards: list[dict]) -> torch.Tensor:
     when chunks are missing or disagree on how the tensor is split."""
     if not shards:
         raise ValueError(f"parameter {name}: no shard of it was saved")
-    layouts = {(s["dim"], s["count"]) for s in shards}
+    layouts = {(s["dim"], s["count"], s.get("halves", 1)) for s in shards}
     if len(layouts) != 1:
         raise ValueError(f"parameter {name}: shards split it in different ways: "
                          f"{sorted(layouts)}")
-    dim, count = layouts.pop()
+    dim, count, halves = layouts.pop()
     chunks = {s["index"]: s["tensor"] for s in shards}
     missing = sorted(set(range(count)) - set(chunks))
     if missing:
         raise ValueError(f"parameter {name}: chunks {missing} of {count} are missing")
     if count == 1:
         return chunks[0]
+    if halves == 2:    # [gate_i; up_i] per chunk -> [gate; up]
+        parts = [torch.chunk(chunks[i], 2, dim=dim) for i in range(count)]
+        return torch.cat([p[0] for p in parts] + [p[1] for p in parts], dim=dim)
     return torch.cat([chunks[i] for i in range(count)], dim=dim)
 
 

@@ -10,6 +10,13 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   [q_h, k_h, v_h] (see SelfAttention.get_query_key_value_tensors), so rows are regrouped.
   The word embedding is tied to the output layer (GPT-2's lm_head is wte).
 
+* T5ForConditionalGeneration (T5 v1.1 / FLAN-T5: gated GeLU, RMSNorm, no biases, relative
+  position buckets, untied lm_head): HF's separate q, k, v (and cross-attention k, v) are packed
+  per head into linear_qkv (linear_kv); the gated MLP's wi_0 (GeLU) and wi_1 (linear) are the
+  two halves of linear_fc1; the relative-attention-bias tables of the first encoder / decoder
+  block become `encoder_relative_pos` / `decoder_relative_pos`. HF's `shared` input embedding
+  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
+
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of 128 x TP); `fit_vocab` pads a full state's vocabulary rows the way Megatron's
 converters do (copies of the last row) and `hf_from_*` drops them again.
@@ -42,6 +49,16 @@ class ModelArgs:
     max_position_embeddings: int
     decoder_num_layers: int = 0
     untie_embeddings_and_output_weights: bool = False
+    # layer options (ModelSpec fields of the same names; GPT-2 keeps the defaults)
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = True
+    gated_linear_unit: bool = False
+    softmax_scale: float | None = None
+    position_embedding_type: str = "learned_absolute"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    kv_channels: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +72,17 @@ class ModelArgs:
                          vocab_size=vocab_rows or self.vocab_size,
                          num_decoder_layers=self.decoder_num_layers,
                          ffn_hidden_size=self.ffn_hidden_size,
-                         max_position_embeddings=self.max_position_embeddings)
+                         max_position_embeddings=self.max_position_embeddings,
+                         normalization=self.normalization,
+                         layernorm_epsilon=self.layernorm_epsilon,
+                         add_bias_linear=self.add_bias_linear,
+                         gated_linear_unit=self.gated_linear_unit,
+                         softmax_scale=self.softmax_scale,
+                         position_embedding_type=self.position_embedding_type,
+                         relative_attention_num_buckets=self.relative_attention_num_buckets,
+                         relative_attention_max_distance=self.relative_attention_max_distance,
+                         kv_channels=self.kv_channels,
+                         tied_embeddings=not self.untie_embeddings_and_output_weights)
 
 
 class ConversionError(ValueError):
@@ -192,6 +219,144 @@ def gpt2_config(args: ModelArgs):
                       tie_word_embeddings=True)
 
 
+# ---------------------------------------------------------------- T5 v1.1 / FLAN-T5
+
+def t5_args(config) -> ModelArgs:
+    """ModelArgs of a transformers T5Config (T5 v1.1 / FLAN-T5); ConversionError for T5
+    variants the megatron-core layers do not compute (the original T5's ReLU MLP and its
+    tied, rescaled lm_head)."""
+    problems = []
+    if config.feed_forward_proj not in ("gated-gelu",):
+        problems.append(f"feed_forward_proj {config.feed_forward_proj!r} (only 'gated-gelu', "
+                        "T5 v1.1 / FLAN-T5, is supported)")
+    # transformers >= 5 keeps the original T5's rescaled output in `scale_decoder_outputs`
+    if getattr(config, "scale_decoder_outputs", config.tie_word_embeddings):
+        problems.append("the original T5's rescaled tied output (tie_word_embeddings / "
+                        "scale_decoder_outputs; only the T5 v1.1 / FLAN-T5 head is supported)")
+    if problems:
+        raise ConversionError("T5 config: " + "; ".join(problems))
+    decoder_layers = config.num_decoder_layers or config.num_layers
+    return ModelArgs(model="t5", num_layers=config.num_layers, hidden_size=config.d_model,
+                     num_attention_heads=config.num_heads, ffn_hidden_size=config.d_ff,
+                     vocab_size=config.vocab_size,
+                     max_position_embeddings=getattr(config, "n_positions", 512),
+                     decoder_num_layers=decoder_layers,
+                     untie_embeddings_and_output_weights=True, normalization="RMSNorm",
+                     layernorm_epsilon=config.layer_norm_epsilon, add_bias_linear=False,
+                     gated_linear_unit=True, softmax_scale=1.0,
+                     position_embedding_type="relative",
+                     relative_attention_num_buckets=config.relative_attention_num_buckets,
+                     relative_attention_max_distance=config.relative_attention_max_distance,
+                     kv_channels=config.d_kv)
+
+
+def pack_per_head(tensors: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """HF's separate projections [q], [k], [v] (rows = heads x d) -> megatron-core's rows
+    grouped per head [q_h, k_h, v_h] (or [k_h, v_h] for cross-attention's linear_kv)."""
+    d = tensors[0].shape[0] // heads
+    stacked = torch.stack([t.reshape(heads, d, *t.shape[1:]) for t in tensors], dim=1)
+    return stacked.reshape(len(tensors) * heads * d, *tensors[0].shape[1:])
+
+
+def unpack_per_head(tensor: torch.Tensor, parts: int, heads: int) -> list[torch.Tensor]:
+    """Inverse of pack_per_head."""
+    d = tensor.shape[0] // (parts * heads)
+    grouped = tensor.reshape(heads, parts, d, *tensor.shape[1:])
+    return [grouped[:, i].reshape(heads * d, *tensor.shape[1:]) for i in range(parts)]
+
+
+def _t5_layer(i: int, stack: str) -> tuple[str, str]:
+    return f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
+
+
+def _t5_pairs(args: ModelArgs) -> list[tuple[str, str]]:
+    """(HF name, our name) of the T5 tensors that map one to one."""
+    pairs = [("shared.weight", TIED_EMBEDDING), ("lm_head.weight", "output_layer.weight"),
+             ("encoder.final_layer_norm.weight", "encoder_norm.weight"),
+             ("decoder.final_layer_norm.weight", "final_norm.weight")]
+    for stack in ("encoder", "decoder"):
+        pairs.append((f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                      f"{stack}_relative_pos.relative_attention_bias.weight"))
+    for i in range(args.num_layers):
+        hf, ours = _t5_layer(i, "encoder")
+        pairs += [(hf + "0.layer_norm.weight", ours + "input_layernorm.weight"),
+                  (hf + "0.SelfAttention.o.weight", ours + "self_attention.linear_proj.weight"),
+                  (hf + "1.layer_norm.weight", ours + "pre_mlp_layernorm.weight"),
+                  (hf + "1.DenseReluDense.wo.weight", ours + "mlp.linear_fc2.weight")]
+    for i in range(args.decoder_num_layers):
+        hf, ours = _t5_layer(i, "decoder")
+        pairs += [(hf + "0.layer_norm.weight", ours + "input_layernorm.weight"),
+                  (hf + "0.SelfAttention.o.weight", ours + "self_attention.linear_proj.weight"),
+                  (hf + "1.layer_norm.weight", ours + "pre_cross_attn_layernorm.weight"),
+                  (hf + "1.EncDecAttention.q.weight", ours + "cross_attention.linear_q.weight"),
+                  (hf + "1.EncDecAttention.o.weight",
+                   ours + "cross_attention.linear_proj.weight"),
+                  (hf + "2.layer_norm.weight", ours + "pre_mlp_layernorm.weight"),
+                  (hf + "2.DenseReluDense.wo.weight", ours + "mlp.linear_fc2.weight")]
+    return pairs
+
+
+def _t5_packed(args: ModelArgs) -> list[tuple[list[str], str]]:
+    """([HF names], our name) of the tensors packed from several HF ones: self-attention
+    q, k, v; cross-attention k, v (per head); the gated MLP's wi_0, wi_1 (halves)."""
+    packed = []
+    for stack, layers, mlp in (("encoder", args.num_layers, "1"),
+                               ("decoder", args.decoder_num_layers, "2")):
+        for i in range(layers):
+            hf, ours = _t5_layer(i, stack)
+            packed.append(([hf + f"0.SelfAttention.{x}.weight" for x in "qkv"],
+                           ours + "self_attention.linear_qkv.weight"))
+            if stack == "decoder":
+                packed.append(([hf + f"1.EncDecAttention.{x}.weight" for x in "kv"],
+                               ours + "cross_attention.linear_kv.weight"))
+            packed.append(([hf + f"{mlp}.DenseReluDense.wi_{x}.weight" for x in "01"],
+                           ours + "mlp.linear_fc1.weight"))
+    return packed
+
+
+def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
+                       where: str = "T5 checkpoint") -> dict[str, torch.Tensor]:
+    """Full state of our T5 from a T5ForConditionalGeneration state dict (fp32, contiguous)."""
+    heads = args.num_attention_heads
+    full = {ours: _take(hf_state, hf, where).float().contiguous()
+            for hf, ours in _t5_pairs(args)}
+    for names, ours in _t5_packed(args):
+        tensors = [_take(hf_state, n, where).float() for n in names]
+        full[ours] = (torch.cat(tensors) if ours.endswith("linear_fc1.weight")
+                      else pack_per_head(tensors, heads)).contiguous()
+    return full
+
+
+def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
+                       where: str = "full state") -> dict[str, torch.Tensor]:
+    """T5ForConditionalGeneration state dict from our T5's full state (padded vocabulary rows
+    dropped)."""
+    heads = args.num_attention_heads
+    hf = {name: _take(full, ours, where).contiguous() for name, ours in _t5_pairs(args)}
+    for names, ours in _t5_packed(args):
+        tensor = _take(full, ours, where)
+        parts = (torch.chunk(tensor, 2) if ours.endswith("linear_fc1.weight")
+                 else unpack_per_head(tensor, len(names), heads))
+        hf.update({n: p.contiguous() for n, p in zip(names, parts)})
+    for name in ("shared.weight", "lm_head.weight"):
+        hf[name] = hf[name][:args.vocab_size].contiguous()
+    return hf
+
+
+def t5_config(args: ModelArgs):
+    """transformers T5Config (T5 v1.1 / FLAN-T5 style) for a model of `args`."""
+    from transformers import T5Config
+    return T5Config(vocab_size=args.vocab_size, d_model=args.hidden_size,
+                    d_kv=args.kv_channels or args.hidden_size // args.num_attention_heads,
+                    d_ff=args.ffn_hidden_size, num_layers=args.num_layers,
+                    num_decoder_layers=args.decoder_num_layers,
+                    num_heads=args.num_attention_heads,
+                    relative_attention_num_buckets=args.relative_attention_num_buckets,
+                    relative_attention_max_distance=args.relative_attention_max_distance,
+                    layer_norm_epsilon=args.layernorm_epsilon, feed_forward_proj="gated-gelu",
+                    tie_word_embeddings=False, dropout_rate=0.0)
+
+
 # ---------------------------------------------------------------- vocabulary padding
 
 def fit_vocab(full: Mapping[str, torch.Tensor], vocab_rows: int,
@@ -230,7 +395,7 @@ def hf_kind(config) -> str:
 def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
     """(full state, ModelArgs) of a transformers checkpoint directory (config.json plus
     safetensors / bin weights, as save_pretrained writes them; nothing is downloaded)."""
-    from transformers import AutoConfig, GPT2LMHeadModel
+    from transformers import AutoConfig, GPT2LMHeadModel, T5ForConditionalGeneration
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     kind = hf_kind(config)
     if kind == "gpt":
@@ -239,14 +404,25 @@ def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
         model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True,
                                                 dtype=torch.float32)
         return full_state_from_gpt2(model.state_dict(), args, where=directory), args
-    raise ConversionError(f"{directory}: T5 conversion is not implemented yet")
+    args = t5_args(config)    # T5 v1.1's head is untied whatever `untie` says
+    model = T5ForConditionalGeneration.from_pretrained(directory, local_files_only=True,
+                                                       dtype=torch.float32)
+    return full_state_from_t5(model.state_dict(), args, where=directory), args
 
 
 def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> None:
     """Save our full state as a transformers checkpoint directory (save_pretrained)."""
-    from transformers import GPT2LMHeadModel
-    if args.model != "gpt":
-        raise ConversionError(f"{directory}: export of {args.model!r} is not implemented yet")
+    from transformers import GPT2LMHeadModel, T5ForConditionalGeneration
+    if args.model == "t5":
+        model = T5ForConditionalGeneration(t5_config(args))
+        missing, unexpected = model.load_state_dict(t5_from_full_state(full, args),
+                                                    strict=False)
+        tied = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+        if set(missing) - tied or unexpected:
+            raise ConversionError(f"{directory}: T5 export left {missing} unset and "
+                                  f"{unexpected} unused")
+        model.save_pretrained(directory)
+        return
     model = GPT2LMHeadModel(gpt2_config(args))
     missing, unexpected = model.load_state_dict(gpt2_from_full_state(full, args), strict=False)
     if set(missing) - {"lm_head.weight"} or unexpected:

@@ -47,9 +47,14 @@ def full_value(global_name: str, shape: tuple[int, ...], seed: int, std: float,
 
 
 def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The part of `full` that this TP rank holds (contiguous chunks along partition_dim)."""
+    """The part of `full` that this TP rank holds (contiguous chunks along partition_dim; of
+    each half for a gated MLP's fc1, see stages.mark_tensor_parallel_weights)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
+    if getattr(param, "gated_halves", False):
+        return torch.cat([torch.chunk(half, tp_size, dim=param.partition_dim)[tp_rank]
+                          for half in torch.chunk(full, 2, dim=param.partition_dim)],
+                         dim=param.partition_dim)
     return torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
 
 

@@ -10,10 +10,12 @@ Word embeddings are tied by default, as in Megatron: the output layer (and the T
 embedding) use the input word embedding's weight, global name `embedding.word_embeddings.weight`.
 Within one stage module it is one Parameter; stages that hold a copy elsewhere (another stage
 module, maybe on another pipeline rank) start from the same value (same global name, same init)
-and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the group
-of tied_embedding_group), so the copies stay equal. `tie_embeddings=False` (Megatron's
-`--untie-embeddings-and-output-weights`) gives the output layer (`output_layer.weight`) and the
-T5 decoder embedding their own weights.
+and their gradients are summed before the optimizer step (grad_buffer.GradBuffer with the
+groups of replica_groups), so the copies stay equal; T5's relative-position-bias tables, one per
+stack on every stage with layers of that stack, are replicated the same way.
+`tie_embeddings=False` (Megatron's `--untie-embeddings-and-output-weights`) gives the output
+layer its own weight (`output_layer.weight`); the T5 decoder embedding stays the encoder's, as in
+Megatron's T5Model (one embedding for both) and HF's T5 (`shared`).
 
 Stage forward: `stage(inputs, batch)` where `inputs` is the tuple handed over by the previous
 stage (empty for the first stage) in [seq, batch, hidden] layout and `batch` the micro-batch
@@ -41,6 +43,9 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
+from megatron.core.models.common.embeddings.relative_pos_embedding import (
+    RelativePositionEmbedding,
+)
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.T5.t5_spec import (
     decoder_model_with_local_spec,
@@ -56,6 +61,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
 )
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.model.attention import AttentionMask, sdpa_layer_spec
@@ -108,7 +114,14 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
+    fuse_activation = fused and spec.add_bias_linear   # bias-GeLU needs a bias to fuse
     config = TransformerConfig(
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.layernorm_epsilon,
+        add_bias_linear=spec.add_bias_linear,
+        gated_linear_unit=spec.gated_linear_unit,
+        softmax_scale=spec.softmax_scale,
+        kv_channels=spec.kv_channels or None,
         num_layers=spec.total_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -124,7 +137,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_dropout_fusion=fused,
-        bias_activation_fusion=fused,
+        bias_activation_fusion=fuse_activation,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -132,7 +145,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         sequence_parallel=False,
         cuda_graph_scope=[],   # no CUDA graphs; silences megatron-core's "full scope" warning
         # megatron-core fuses F.gelu as its tanh approximation; unfused, say so explicitly
-        activation_func=torch.nn.functional.gelu if fused else gelu_tanh,
+        activation_func=torch.nn.functional.gelu if fuse_activation else gelu_tanh,
     )
     set_recompute(config, recompute)
     return config
@@ -176,6 +189,25 @@ def layer_spec(kind: str, use_te: bool = HAVE_TE):
     return sdpa_layer_spec(specs[kind]())
 
 
+def _relative(config: TransformerConfig, spec: ModelSpec, bidirectional: bool):
+    """megatron-core's T5 relative position bias for this TP rank's heads (weights set later
+    by init_weights / a checkpoint, hence the no-op init)."""
+    tp = config.tensor_model_parallel_size
+    return RelativePositionEmbedding(bidirectional, lambda w: None,
+                                     spec.num_attention_heads // tp,
+                                     spec.relative_attention_num_buckets,
+                                     spec.relative_attention_max_distance)
+
+
+def _self_mask(segments, relative) -> AttentionMask:
+    """Self-attention mask of `segments`, with the relative position bias when the stack has
+    one (a fresh object then: the bias is part of this forward's graph)."""
+    if relative is None:
+        return AttentionMask.of(segments)
+    n = segments.seq_len
+    return AttentionMask(segments, segments, bias=relative._compute_bias(n, n))
+
+
 def _block(config: TransformerConfig, layer_spec, num_layers: int) -> TransformerBlock:
     """A TransformerBlock of exactly `num_layers` layers and no final norm (the norms are
     separate stage parts, so a block never depends on megatron's pipeline bookkeeping)."""
@@ -184,11 +216,26 @@ def _block(config: TransformerConfig, layer_spec, num_layers: int) -> Transforme
                             post_process=False)
 
 
+def norm(config: TransformerConfig) -> torch.nn.Module:
+    """A final norm (T5 encoder, head) of config.normalization: megatron-core's torch norm
+    (LayerNorm with bias, or RMSNorm with a weight only, as HF's T5LayerNorm)."""
+    return WrappedTorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+
 def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
     """Set megatron's `tensor_model_parallel` / `partition_dim` attributes on split weights.
     megatron-core only sets them while initialising, which we skip (perform_initialization
-    False); init_weights, gradient gathering and norm clipping read them."""
-    for sub in module.modules():
+    False); init_weights, gradient gathering and norm clipping read them. A gated MLP's fc1
+    is marked `gated_halves`: its full tensor is [gate rows; up rows] and a TP rank holds the
+    same chunk of each half (what megatron-core's MLP chunks its local output into)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, RelativePositionEmbedding):
+            set_tensor_model_parallel_attributes(sub.relative_attention_bias.weight, True, 1, 1)
+            continue
+        if name.endswith("mlp.linear_fc1") and sub.config.gated_linear_unit:
+            for p in (sub.weight, sub.bias):
+                if p is not None:
+                    p.gated_halves = True
         if isinstance(sub, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
         elif isinstance(sub, RowParallelLinear):
@@ -204,8 +251,7 @@ class OutputHead(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, vocab_size: int):
         super().__init__()
-        self.final_norm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                                             dtype=config.params_dtype)
+        self.final_norm = norm(config)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False)
@@ -242,40 +288,62 @@ class StageModule(torch.nn.Module):
         self.has_head = HEAD in self.kinds
         self.starts_decoder = DEC_EMBEDDING in self.kinds
 
+        position = ("learned_absolute" if spec.position_embedding_type == "learned_absolute"
+                    else "none")     # T5 relative buckets are a bias inside attention
         self.embedding = (LanguageModelEmbedding(config, spec.vocab_size,
-                                                 spec.max_position_embeddings)
+                                                 spec.max_position_embeddings, position)
                           if self.has_embedding else None)
         self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
         self.encoder = _block(config, layer_spec(ENC_LAYER), n_enc) if n_enc else None
-        self.encoder_norm = (torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                                                dtype=config.params_dtype)
-                             if ENC_NORM in self.kinds else None)
+        self.encoder_norm = norm(config) if ENC_NORM in self.kinds else None
         self.decoder_embedding = (LanguageModelEmbedding(config, spec.vocab_size,
-                                                         spec.max_position_embeddings)
+                                                         spec.max_position_embeddings, position)
                                   if self.starts_decoder else None)
         if n_dec:
             self.decoder = _block(config, layer_spec(DEC_LAYER), n_dec)
+        # T5 relative position buckets: one per-head bias table per stack, computed once per
+        # stage forward and added in every self-attention of that stack (HF computes it in
+        # the first layer and passes it on); every stage holding layers of a stack has a copy
+        relative = spec.position_embedding_type == "relative"
+        self.encoder_relative_pos = _relative(config, spec, True) if relative and n_enc else None
+        self.decoder_relative_pos = _relative(config, spec, False) if relative and n_dec else None
         self.head = OutputHead(config, spec.vocab_size) if self.has_head else None
         mark_tensor_parallel_weights(self)
         # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
         # position embeddings and local-spec norms fp32); the loss is fp32 (OutputHead)
         self.to(dtype=config.params_dtype)
-        if tie_embeddings:
-            self._tie_word_embeddings()
+        if tie_embeddings or spec.model == "t5":
+            self._tie_word_embeddings(with_head=tie_embeddings)
+        self._mark_relative_copies()
 
-    def _tie_word_embeddings(self) -> None:
-        """One Parameter for every word-embedding copy of this stage; marks it `tied_embedding`
-        (GradBuffer sums the copies' gradients) and, on stages without the input embedding,
-        `shared` (megatron-core's mark: left out of the gradient norm, counted once there)."""
+    def _tie_word_embeddings(self, with_head: bool = True) -> None:
+        """One Parameter for every word-embedding copy of this stage (the output layer's too
+        `with_head`); marks it `tied_embedding` (GradBuffer sums the copies' gradients) and,
+        on stages without the input embedding, `shared` (megatron-core's mark: left out of the
+        gradient norm, counted once there)."""
         holders = [m.word_embeddings for m in (self.embedding, self.decoder_embedding)
-                   if m is not None] + ([self.head.output_layer] if self.head else [])
+                   if m is not None] + ([self.head.output_layer] if self.head and with_head
+                                        else [])
         if not holders:
             return
         weight = holders[0].weight
         for module in holders[1:]:
             module.weight = weight
         weight.tied_embedding = True
+        weight.replicated = TIED_EMBEDDING
         weight.shared = not self.has_embedding
+
+    def _mark_relative_copies(self) -> None:
+        """The relative-position-bias tables are replicated on every stage that holds layers
+        of their stack: `replicated` (their global name; GradBuffer sums the copies'
+        gradients) and, except on the stage with the stack's first layer, `shared` (counted
+        once in the gradient norm)."""
+        for module, owner in ((self.encoder_relative_pos, self.first_encoder_layer == 0),
+                              (self.decoder_relative_pos, self.first_decoder_layer <= 0)):
+            if module is not None:
+                weight = module.relative_attention_bias.weight
+                weight.replicated = next(n for n, p in self.named_parameters() if p is weight)
+                weight.shared = not owner
 
     # ---- global parameter names (independent of TP/PP layout) ----
     def global_name(self, local_name: str) -> str:
@@ -291,7 +359,7 @@ class StageModule(torch.nn.Module):
             else:
                 offset = max(self.first_decoder_layer, 0)
             return f"{block}.layers.{idx + offset}.{rest}"
-        if self.tie_embeddings and local_name in TIED_COPIES:
+        if local_name == TIED_COPIES[0] or (self.tie_embeddings and local_name in TIED_COPIES):
             return TIED_EMBEDDING
         if local_name.startswith("head."):
             return local_name[len("head."):]
@@ -337,13 +405,14 @@ class StageModule(torch.nn.Module):
             enc = inputs[0]
             dec = inputs[1] if len(inputs) > 1 else None
         if self.encoder is not None:
-            enc = self.encoder(enc, AttentionMask.of(batch["enc_segments"]))
+            enc = self.encoder(enc, _self_mask(batch["enc_segments"], self.encoder_relative_pos))
         if self.encoder_norm is not None:
             enc = self.encoder_norm(enc)
         if self.starts_decoder:
             dec = self.decoder_embedding(batch["dec_tokens"], batch["dec_position_ids"])
         if self.decoder is not None:
-            dec = self.decoder(dec, AttentionMask.of(batch["dec_segments"]), context=enc,
+            dec = self.decoder(dec, _self_mask(batch["dec_segments"], self.decoder_relative_pos),
+                               context=enc,
                                context_mask=AttentionMask.of(batch["dec_segments"],
                                                              batch["enc_segments"]))
         if self.has_head:
@@ -351,12 +420,38 @@ class StageModule(torch.nn.Module):
         return (enc,) if dec is None else (enc, dec)
 
 
-def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...]) -> tuple[int, ...]:
+def embedding_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                      tie_embeddings: bool = True) -> tuple[int, ...]:
     """Pipeline ranks that hold a copy of the tied word embedding (the stages with the input
-    embedding, the T5 decoder embedding or the head), sorted."""
+    embedding, the T5 decoder embedding or, when tied, the head), sorted."""
+    return replica_holders(spec, stage_to_rank, TIED_EMBEDDING, tie_embeddings)
+
+
+RELATIVE_TABLES = {"encoder_relative_pos.relative_attention_bias.weight": ENC_LAYER,
+                   "decoder_relative_pos.relative_attention_bias.weight": DEC_LAYER}
+
+
+def replicated_names(spec: ModelSpec, tie_embeddings: bool = True) -> tuple[str, ...]:
+    """Global names of the parameters of which several stages may hold a copy: the tied word
+    embedding and the T5 relative-position-bias tables."""
+    names = (TIED_EMBEDDING,) if tie_embeddings or spec.model == "t5" else ()
+    if spec.position_embedding_type == "relative":
+        names += tuple(RELATIVE_TABLES)
+    return names
+
+
+def replica_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...], name: str,
+                    tie_embeddings: bool = True) -> tuple[int, ...]:
+    """Pipeline ranks holding a copy of replicated parameter `name`, sorted."""
     kinds = spec.stage_layers(len(stage_to_rank))
+    if name == TIED_EMBEDDING:
+        holds = (EMBEDDING, DEC_EMBEDDING, HEAD) if tie_embeddings else (EMBEDDING, DEC_EMBEDDING)
+    elif name in RELATIVE_TABLES:
+        holds = (RELATIVE_TABLES[name],)
+    else:
+        raise ValueError(f"{name} is not a replicated parameter")
     return tuple(sorted({stage_to_rank[s] for s, k in enumerate(kinds)
-                         if EMBEDDING in k or DEC_EMBEDDING in k or HEAD in k}))
+                         if any(h in k for h in holds)}))
 
 
 def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: int,
@@ -366,47 +461,60 @@ def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: 
     """The stage modules pipeline rank `pp_rank` holds under `stage_to_rank`
     (stage index -> module, in stage order), built on the CPU and moved to `device` if given.
     Weights are not yet set: call init_weights.initialize_stage_weights next.
-    With `tie_embeddings`, each tied word-embedding copy records `tied_ranks`, the pipeline
-    ranks holding one (GradBuffer needs tied_embedding_group when that is more than one)."""
+    Each replicated parameter (tied word embedding, T5 relative-bias tables) records
+    `tied_ranks`, the pipeline ranks holding a copy (GradBuffer needs replica_groups when
+    that is more than one)."""
     num_stages = len(stage_to_rank)
     if pp_rank not in stage_to_rank:
         raise ValueError(f"pipeline rank {pp_rank} holds no stage in layout {stage_to_rank}")
     spec.stage_layers(num_stages)   # raises when the layers do not split evenly
     stages = {s: StageModule(spec, num_stages, s, config, tie_embeddings)
               for s, r in enumerate(stage_to_rank) if r == pp_rank}
-    holders = embedding_holders(spec, stage_to_rank)
     for module in stages.values():
         for param in module.parameters():
-            if getattr(param, "tied_embedding", False):
-                param.tied_ranks = holders
+            name = getattr(param, "replicated", None)
+            if name is not None:
+                param.tied_ranks = replica_holders(spec, stage_to_rank, name, tie_embeddings)
     if device is not None:
         for module in stages.values():
             module.to(device)
     return stages
 
 
-def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
-                         tie_embeddings: bool = True, timeout_s: float = 120.0):
-    """The process group over which this rank's tied word-embedding gradients are summed (the
-    ranks of its pipeline that hold a copy; megatron-core's embedding group only knows the first
-    and last pipeline rank, while a wave layout or the T5 decoder embedding puts copies
-    elsewhere). Collective: every rank calls it; None where there is nothing to reduce across
-    ranks or this rank holds no copy."""
+def replica_groups(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                   tie_embeddings: bool = True, timeout_s: float = 120.0) -> dict:
+    """{replicated parameter name: the process group over which this rank's copies'
+    gradients are summed} (the ranks of its pipeline holding a copy; megatron-core's
+    embedding group only knows the first and last pipeline rank, while a wave layout, the T5
+    decoder embedding or the relative-bias tables put copies elsewhere). Collective: every
+    rank calls it; names with nothing to reduce across ranks, or no copy here, are left out."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    holders = embedding_holders(spec, stage_to_rank)
-    if not tie_embeddings or len(holders) < 2 or not dist.is_initialized():
-        return None
+    if not dist.is_initialized():
+        return {}
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    group = None
-    for ranks in sorted({tuple(r) for r in everyone}):   # same creation order on every rank
-        members = [ranks[r] for r in holders]
-        made = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
-        if dist.get_rank() in members:
-            group = made
-    return group
+    groups = {}
+    for name in replicated_names(spec, tie_embeddings):
+        holders = replica_holders(spec, stage_to_rank, name, tie_embeddings)
+        if len(holders) < 2:
+            continue
+        for ranks in sorted({tuple(r) for r in everyone}):   # same order on every rank
+            members = [ranks[r] for r in holders]
+            made = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
+            if dist.get_rank() in members:
+                groups[name] = made
+    return groups
+
+
+def tied_embedding_group(spec: ModelSpec, stage_to_rank: tuple[int, ...],
+                         tie_embeddings: bool = True, timeout_s: float = 120.0):
+    """The group of the tied word embedding alone (replica_groups; None where there is
+    nothing to reduce across ranks or this rank holds no copy). Collective."""
+    only = ModelSpec(**{**spec.__dict__, "position_embedding_type": "learned_absolute"}) \
+        if spec.position_embedding_type == "relative" else spec
+    return replica_groups(only, stage_to_rank, tie_embeddings, timeout_s).get(TIED_EMBEDDING)
 
 
 def stage_parameters(rank_stages: Mapping[int, StageModule]):

@@ -108,6 +108,16 @@ class TrainConfig:
     replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
     cost_model_cache_dir: str | None = None     # --cost-model profile (None: ~/.cache/...)
     untie_embeddings_and_output_weights: bool = False   # Megatron's default: tied
+    # layer options (ModelSpec fields; T5 v1.1 / FLAN-T5 need all of them)
+    normalization: str = "LayerNorm"            # --normalization
+    norm_epsilon: float = 1e-5                  # --norm-epsilon
+    add_bias_linear: bool = True                # --disable-bias-linear sets False
+    gated_linear_unit: bool = False             # --gated-gelu
+    softmax_scale: float | None = None          # --softmax-scale (T5: 1.0)
+    position_embedding_type: str = "learned_absolute"   # --position-embedding-type
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    kv_channels: int = 0                        # --kv-channels; 0: hidden / heads
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -145,7 +155,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                  "tokens_per_global_batch", "train_iters", "log_interval",
                  "max_position_embeddings", "micro_batch_size", "plan_prefetch"):
         need(getattr(cfg, name) > 0, f"--{flag(name)} must be > 0, got {getattr(cfg, name)}")
-    need(cfg.hidden_size % max(cfg.num_attention_heads, 1) == 0,
+    need(cfg.kv_channels > 0 or cfg.hidden_size % max(cfg.num_attention_heads, 1) == 0,
          f"--hidden-size {cfg.hidden_size} is not divisible by --num-attention-heads "
          f"{cfg.num_attention_heads}")
     need(cfg.num_attention_heads % max(cfg.tensor_model_parallel_size, 1) == 0,
@@ -159,6 +169,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          or total_layers % cfg.pipeline_model_parallel_size == 0,
          f"{total_layers} transformer layers do not split evenly over "
          f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size} stages")
+    need(cfg.normalization in ("LayerNorm", "RMSNorm"),
+         f"--normalization must be LayerNorm or RMSNorm, got {cfg.normalization!r}")
+    need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
+         f"--position-embedding-type {cfg.position_embedding_type} is a T5 option")
     if cfg.model == "t5":
         need(cfg.decoder_num_layers > 0, "a T5 model needs --decoder-num-layers > 0")
         need(cfg.decoder_seq_length > 0, "a T5 model needs --decoder-seq-length > 0")
@@ -367,9 +381,29 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the longest sequence length")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="give the output layer (and the T5 decoder embedding) their own "
-                        "weights; by default they share the input word embedding, as in "
-                        "Megatron")
+                   help="give the output layer its own weights; by default it shares the "
+                        "input word embedding, as in Megatron (T5's decoder embedding always "
+                        "does; T5 v1.1 / FLAN-T5 are untied)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5,
+                   help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6)")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the attention and MLP linears (T5 v1.1 / FLAN-T5)")
+    g.add_argument("--gated-gelu", action="store_true",
+                   help="gated GeLU MLP, gelu(x W0) * (x W1) (T5 v1.1's gated-gelu; the MLP "
+                        "then has 3 matrices)")
+    g.add_argument("--softmax-scale", type=float, default=None,
+                   help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="per-head size; default hidden size / heads (FLAN-T5-small: 64)")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "relative"),
+                   default="learned_absolute",
+                   help=t5_only("relative: T5's bucketed per-head position bias"))
+    g.add_argument("--relative-attention-num-buckets", type=int, default=32,
+                   help=t5_only("relative position buckets"))
+    g.add_argument("--relative-attention-max-distance", type=int, default=128,
+                   help=t5_only("distance at which relative position buckets stop"))
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -610,7 +644,13 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
         p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us,
         cost_model_cache_dir=args.cost_model_cache_dir,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        add_bias_linear=not args.disable_bias_linear, gated_linear_unit=args.gated_gelu,
+        softmax_scale=args.softmax_scale, kv_channels=args.kv_channels or 0,
+        position_embedding_type=args.position_embedding_type,
+        relative_attention_num_buckets=args.relative_attention_num_buckets,
+        relative_attention_max_distance=args.relative_attention_max_distance)
 
 
 def config_field_names() -> list[str]:

@@ -13,10 +13,11 @@ final is all-reduced asynchronously on the data-parallel group. Buckets never sp
 are launched in one fixed order (stages from last to first, parameters in reverse registration
 order, i.e. roughly the order backward produces them), so every replica issues the same
 collectives in the same order even if its autograd engine fires hooks in another order.
-`finish` launches whatever is left and waits for all of it, then sums the gradients of the tied
-word-embedding copies (parameters marked `tied_embedding` by stages.StageModule): over the copies
-this rank holds, then over `tied_group` (stages.tied_embedding_group), Megatron's embedding-group
-all-reduce, so every copy takes the same optimizer step.
+`finish` launches whatever is left and waits for all of it, then sums the gradients of each
+replicated parameter's copies (parameters marked `replicated` with their global name by
+stages.StageModule: the tied word embedding, T5's relative-bias tables): over the copies this rank
+holds, then over that name's group (`tied_group`: stages.replica_groups), Megatron's
+embedding-group all-reduce, so every copy takes the same optimizer step.
 
 Why not megatron.core.distributed.DistributedDataParallel: in megatron-core 0.16.1 its
 _ParamAndGradBuffer allocates the grad buffer with `device=torch.cuda.current_device()`, so it
@@ -88,13 +89,23 @@ class GradBuffer:
                              "second optimizer or GradBuffer on the same model?)")
         self.dp_group = dp_group
         self.overlap = overlap
-        self.tied = [p for _, p in order if getattr(p, "tied_embedding", False)]
-        self.tied_group = tied_group
-        spread = sorted({r for p in self.tied for r in getattr(p, "tied_ranks", ())})
-        if len(spread) > 1 and tied_group is None:
-            raise ValueError(f"the tied word embedding has copies on pipeline ranks {spread}; "
-                             "pass tied_group=stages.tied_embedding_group(...) so their "
-                             "gradients are summed")
+        # copies of each replicated parameter; `tied_group` is {name: group} (a single group
+        # is taken for every name: GPT's tied embedding alone)
+        self.tied: dict[str, list] = {}
+        for _, p in order:
+            name = getattr(p, "replicated", None)
+            if name is not None:
+                self.tied.setdefault(name, []).append(p)
+        self.tied_groups = (dict(tied_group) if isinstance(tied_group, dict) else
+                            {name: tied_group for name in self.tied if tied_group is not None})
+        for name, params in self.tied.items():
+            spread = sorted({r for p in params for r in getattr(p, "tied_ranks", ())})
+            if len(spread) > 1 and self.tied_groups.get(name) is None:
+                what = ("the tied word embedding" if getattr(params[0], "tied_embedding", False)
+                        else name)
+                raise ValueError(f"{what} has copies on pipeline ranks {spread}; pass "
+                                 "tied_group=stages.replica_groups(...) so their gradients "
+                                 "are summed")
         self.data = torch.zeros(total, dtype=torch.float32, device=order[0][1].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -198,16 +209,19 @@ class GradBuffer:
         return self.last_stats
 
     def _sum_tied(self) -> None:
-        """Every tied word-embedding copy gets the sum of all copies' gradients."""
-        if not self.tied or (len(self.tied) < 2 and self.tied_group is None):
-            return
-        total = self.tied[0].main_grad.clone()
-        for param in self.tied[1:]:
-            total += param.main_grad
-        if self.tied_group is not None:
-            dist.all_reduce(total, group=self.tied_group)
-        for param in self.tied:
-            param.main_grad.copy_(total)
+        """Every copy of a replicated parameter gets the sum of all its copies' gradients
+        (names in sorted order: every rank of a group issues its all-reduces alike)."""
+        for name in sorted(self.tied):
+            params, group = self.tied[name], self.tied_groups.get(name)
+            if len(params) < 2 and group is None:
+                continue
+            total = params[0].main_grad.clone()
+            for param in params[1:]:
+                total += param.main_grad
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for param in params:
+                param.main_grad.copy_(total)
 
     def zero(self) -> None:
         """Clear every main gradient for the next iteration (one fill of the buffer)."""

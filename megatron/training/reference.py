@@ -46,6 +46,9 @@ def _full_tp_tensor(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(grad) for _ in range(tp)]
     dist.all_gather(parts, grad.contiguous(),
                     group=parallel_state.get_tensor_model_parallel_group())
+    if getattr(param, "gated_halves", False):   # [gate_i; up_i] per rank -> [gate; up]
+        halves = [torch.chunk(p, 2, dim=param.partition_dim) for p in parts]
+        parts = [h[0] for h in halves] + [h[1] for h in halves]
     return torch.cat(parts, dim=param.partition_dim)
 
 

@@ -34,7 +34,7 @@ from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
-                                   tied_embedding_group)
+                                   replica_groups)
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
@@ -213,7 +213,14 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
                      max_position_embeddings=cfg.max_position_embeddings,
-                     tied_embeddings=not cfg.untie_embeddings_and_output_weights)
+                     tied_embeddings=not cfg.untie_embeddings_and_output_weights,
+                     normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
+                     add_bias_linear=cfg.add_bias_linear,
+                     gated_linear_unit=cfg.gated_linear_unit, softmax_scale=cfg.softmax_scale,
+                     position_embedding_type=cfg.position_embedding_type,
+                     relative_attention_num_buckets=cfg.relative_attention_num_buckets,
+                     relative_attention_max_distance=cfg.relative_attention_max_distance,
+                     kv_channels=cfg.kv_channels)
 
 
 def model_dtype(cfg: TrainConfig) -> str:
@@ -362,9 +369,8 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     stages = build_stages(cfg, spec, layout, stage_to_rank)
-    tied_group = tied_embedding_group(spec, stage_to_rank,
-                                      not cfg.untie_embeddings_and_output_weights,
-                                      cfg.distributed_timeout_minutes * 60)
+    tied_group = replica_groups(spec, stage_to_rank, not cfg.untie_embeddings_and_output_weights,
+                                cfg.distributed_timeout_minutes * 60)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
                              parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
                              tied_group=tied_group)

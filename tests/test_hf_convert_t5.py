@@ -1,0 +1,217 @@
+"""T5 v1.1 / FLAN-T5 checkpoints in and out (issue 15): a random-initialised
+T5ForConditionalGeneration (gated GeLU, RMSNorm, no biases, relative position buckets, untied
+head) imported with tools/convert_checkpoint.py gives the same logits in our stage modules as
+in transformers (fp32, within 1e-4 of the logit scale), at TP=1 and TP=2 x PP=2; exporting the
+import gives back the same tensors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.model.hf_convert import (ConversionError, pack_per_head, read_converted,
+                                       read_hf, unpack_per_head)
+from multiproc import run_in_processes, single_process_world
+from test_hf_convert import TOLERANCE, assert_close_logits, convert
+from test_training import sp_dataset  # noqa: F401  (fixture)
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (enc layers, dec layers, d_model, heads, d_kv, d_ff, vocab, buckets, max distance):
+# 3 heads; d_kv * heads != d_model as in FLAN-T5-small; distances beyond max_distance
+T5_CONFIGS = [(2, 2, 24, 3, 8, 40, 256, 8, 12), (1, 3, 32, 3, 12, 64, 200, 32, 128),
+              (2, 2, 48, 4, 12, 96, 256, 16, 6)]
+
+
+def random_t5(directory, enc, dec, d_model, heads, d_kv, d_ff, vocab, buckets, distance,
+              seed=0):
+    """A T5 v1.1 style model with every weight random (norms too), saved with
+    save_pretrained."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(
+        vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=enc,
+        num_decoder_layers=dec, num_heads=heads, relative_attention_num_buckets=buckets,
+        relative_attention_max_distance=distance, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def t5_inputs(vocab, rows=3, enc_seq=17, dec_seq=9, seed=1):
+    rng = np.random.default_rng(seed)
+    return (torch.from_numpy(rng.integers(0, vocab, (rows, enc_seq))),
+            torch.from_numpy(rng.integers(0, vocab, (rows, dec_seq))))
+
+
+def t5_batch(enc, dec):
+    """Micro-batch tensors of whole samples, one per row (no labels: logits)."""
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    samples = {i: (e.numpy(), d.numpy(), d.numpy(), np.ones(len(d), np.float32))
+               for i, (e, d) in enumerate(zip(enc, dec))}
+    batch = build_micro_batch(unsplit_micro_batch(sorted(samples), samples, "t5"), samples,
+                              "t5", 0)
+    batch.pop("labels")
+    return batch
+
+
+def hf_logits(model, enc, dec):
+    with torch.no_grad():
+        return model(input_ids=enc, decoder_input_ids=dec).logits
+
+
+def test_per_head_packing_is_invertible():
+    heads, d = 3, 2
+    q, k, v = (torch.arange(heads * d) + 100 * i for i in range(3))
+    packed = pack_per_head([q, k, v], heads)
+    assert packed[6:12].tolist() == [2, 3, 102, 103, 202, 203]    # head 1: q, k, v
+    assert all(torch.equal(a, b) for a, b in zip(unpack_per_head(packed, 3, heads), (q, k, v)))
+
+
+@pytest.mark.parametrize("shape", T5_CONFIGS)
+def test_t5_logits_match_transformers_tp1(tmp_path, shape):
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    model = random_t5(tmp_path / "hf", *shape)
+    enc, dec = t5_inputs(shape[6])
+    theirs = hf_logits(model, enc, dec)
+    full, args = read_hf(str(tmp_path / "hf"))
+    torch.set_num_threads(1)
+    with single_process_world(seed=3):
+        spec = args.spec()
+        stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
+                                   tie_embeddings=False)
+        assert load_full_state(stage_parameters(stages), full, 0, 1, "import") == len(full)
+        with torch.no_grad():
+            ours = stages[0]((), t5_batch(enc, dec)).transpose(0, 1)
+        # without the relative position bias the logits differ: the bias is used
+        for name in ("encoder_relative_pos", "decoder_relative_pos"):
+            getattr(stages[0], name).relative_attention_bias.weight.data.zero_()
+        with torch.no_grad():
+            wrong = stages[0]((), t5_batch(enc, dec)).transpose(0, 1)
+    assert_close_logits(ours, theirs)
+    assert float((wrong - theirs).abs().max()) > 100 * TOLERANCE * float(theirs.abs().max())
+
+
+def test_unsupported_t5_variant_is_a_clear_error(tmp_path):
+    config = transformers.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                                   num_heads=2, feed_forward_proj="relu")
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConversionError, match="feed_forward_proj .relu.*rescaled tied output"):
+        read_hf(str(tmp_path / "t5"))
+
+
+def parallel_t5_logits_worker(rank, world_size, converted_dir, enc, dec):
+    """TP=2 x PP=2: every rank loads its slices of the converted full state (gated fc1 halves
+    and relative-bias heads split by TP); the first stage sends its outputs on; the last
+    stage's TP ranks gather the vocabulary slices. Returns [rows, seq, vocab] there."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from dynapipe_ext.model_spec import stage_output_shapes
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    from megatron.training.distributed_setup import setup_model_parallel
+    full, args = read_converted(converted_dir)
+    layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
+    spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
+    stages = build_rank_stages(spec, (0, 1), layout.pp_rank,
+                               build_transformer_config(spec, tp=2, pp=2), tie_embeddings=False)
+    load_full_state(stage_parameters(stages), full, layout.tp_rank, 2, converted_dir)
+    batch = t5_batch(enc, dec)
+    pipe = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    with torch.no_grad():
+        if layout.pp_rank == 0:
+            for t in stages[0]((), batch):
+                dist.send(t.contiguous(), pipe[1])
+            return None
+        shapes = stage_output_shapes(spec.stage_layers(2)[0], enc.shape[0], enc.shape[1],
+                                     dec.shape[1], spec.hidden_size)
+        inputs = tuple(torch.empty(shape) for shape in shapes)
+        for t in inputs:
+            dist.recv(t, pipe[0])
+        part = stages[1](inputs, batch)
+        parts = [torch.empty_like(part) for _ in range(2)]
+        dist.all_gather(parts, part.contiguous(),
+                        group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).transpose(0, 1).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [T5_CONFIGS[2], (1, 3, 32, 6, 12, 64, 200, 32, 128)])
+def test_t5_logits_match_transformers_tp2_pp2(tmp_path, shape):
+    vocab = shape[6]
+    model = random_t5(tmp_path / "hf", *shape)
+    enc, dec = t5_inputs(vocab)
+    theirs = hf_logits(model, enc, dec)
+    out = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "--normalization RMSNorm --norm-epsilon 1e-06 --disable-bias-linear --gated-gelu" \
+        in out and "--position-embedding-type relative" in out
+    results = run_in_processes(parallel_t5_logits_worker, 4,
+                               (str(tmp_path / "ours"), enc, dec), timeout_s=300)
+    last = [r for r in results if r is not None]
+    assert len(last) == 2 and np.array_equal(last[0], last[1])
+    ours = torch.from_numpy(last[0])
+    assert ours.shape[-1] == 256                   # padded to a multiple of 128 x TP
+    assert_close_logits(ours[..., :vocab], theirs)
+
+
+def test_t5_export_then_import_is_identity(tmp_path):
+    random_t5(tmp_path / "hf", *T5_CONFIGS[1])
+    convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    full, _ = read_converted(str(tmp_path / "ours"))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    load = transformers.T5ForConditionalGeneration.from_pretrained
+    a, b = load(tmp_path / "hf").state_dict(), load(tmp_path / "back").state_dict()
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    again, _ = read_hf(str(tmp_path / "back"))
+    assert sorted(again) == sorted(full)
+    assert all(torch.equal(again[k], full[k][:len(again[k])]) for k in full)
+
+
+T5_V11_FLAGS = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
+                "--gated-gelu", "--softmax-scale", "1.0", "--kv-channels", "8",
+                "--position-embedding-type", "relative", "--relative-attention-num-buckets",
+                "8", "--relative-attention-max-distance", "32",
+                "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.slow
+def test_t5_v11_options_train_at_pp2_and_keep_replicated_copies_equal(sp_dataset, tmp_path):
+    """pretrain_t5.py with every T5 v1.1 option at PP=2: 3 encoder layers + 1 decoder layer
+    put encoder layers on both stages, so both hold a copy of the encoder's relative-bias
+    table (and of the input embedding, used by the decoder on stage 1); the loss falls and
+    the saved copies are still equal (their gradients were summed over the pipeline; without
+    that sum this test fails: the copies drift apart)."""
+    from megatron.training import checkpointing as ckpt
+    from test_training import TINY_MODEL, torchrun
+    args = sp_dataset + TINY_MODEL + T5_V11_FLAGS + [
+        "--pipeline-model-parallel-size", "2", "--num-layers", "3", "--decoder-num-layers", "1",
+        "--encoder-seq-length", "128", "--decoder-seq-length", "32", "--train-iters", "6",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "6"]
+    stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl")
+    losses = [s["loss"] for s in stats]
+    assert max(losses[-2:]) < losses[0], f"loss did not decrease: {losses}"
+    common = ckpt.read_common(str(tmp_path / "ckpt"))
+    # the untied model's input embedding is shared by the encoder (stage 0) and the decoder
+    # (stage 1), like the encoder's relative-bias table: two copies each, still equal
+    names = {"encoder_relative_pos.relative_attention_bias.weight",
+             "embedding.word_embeddings.weight"}
+    model, _ = ckpt.read_shards(str(tmp_path / "ckpt"), 6, common, names, False)
+    for name in names:
+        copies = [s["tensor"] for s in model[name]]
+        assert len(copies) == 2 and torch.equal(copies[0], copies[1]), name
+    assert "decoder_relative_pos.relative_attention_bias.weight" in ckpt.read_full_model_state(
+        str(tmp_path / "ckpt"))
