@@ -215,3 +215,28 @@ def test_t5_v11_options_train_at_pp2_and_keep_replicated_copies_equal(sp_dataset
         assert len(copies) == 2 and torch.equal(copies[0], copies[1]), name
     assert "decoder_relative_pos.relative_attention_bias.weight" in ckpt.read_full_model_state(
         str(tmp_path / "ckpt"))
+
+
+@pytest.mark.slow
+def test_converted_t5_v11_finetunes_at_pp2_from_its_weights(sp_dataset, tmp_path):  # noqa: F811
+    """An imported T5 v1.1 is a layout-free checkpoint: pretrain_t5.py with the flags the
+    converter prints, `--load DIR --finetune` at PP=2, starts from the imported weights (after
+    one step at a negligible LR every saved tensor still equals the import)."""
+    from megatron.training.checkpointing import read_full_model_state
+    from test_training import torchrun
+    random_t5(tmp_path / "hf", 2, 2, 32, 2, 16, 64, 1000, 8, 32)
+    printed = convert(tmp_path / "hf", tmp_path / "ours")
+    flags = printed.split("train with: ")[1].split()
+    imported = read_full_model_state(str(tmp_path / "ours"))
+    args = sp_dataset + flags + [
+        "--pipeline-model-parallel-size", "2", "--encoder-seq-length", "128",
+        "--decoder-seq-length", "32", "--tokens-per-global-batch", "1024", "--train-iters", "1",
+        "--lr", "1e-12", "--min-lr", "0", "--num-planner-workers", "0",
+        "--load", str(tmp_path / "ours"), "--finetune",
+        "--save", str(tmp_path / "run"), "--save-interval", "1"]
+    stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl", timeout=400)
+    assert [s["iteration"] for s in stats] == [1]
+    trained = read_full_model_state(str(tmp_path / "run"))
+    assert trained.keys() == imported.keys()
+    for name, value in imported.items():
+        assert torch.allclose(trained[name], value, atol=1e-6), name
