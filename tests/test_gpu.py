@@ -37,6 +37,7 @@ REQUIRED_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
 
 def parse_args_sized(model, argv, **kwargs):
     """parse_args with the flags Megatron requires; the test's own argv overrides them."""
+    from megatron.training.arguments import parse_args
     return parse_args(model, REQUIRED_FLAGS + list(argv), **kwargs)
 
 

@@ -167,7 +167,9 @@ TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads
 
 
 def env_with_repo() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    path = os.environ.get("PYTHONPATH")     # kept: it may be where megatron-core lives
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + (os.pathsep + path if path else ""))
     env.pop("RANK", None)
     return env
 

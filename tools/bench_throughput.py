@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def train_flags(job: dict, strategy: str) -> list[str]:
                   "--merge-file", job["merge_file"]]
     if job.get("bf16"):
         flags.append("--bf16")
+    flags += job.get("train_args", [])
     if job.get("cost_model") == "profile":
         flags += ["--cost-model", "profile"]
         if job.get("cost_model_cache_dir"):
@@ -860,6 +862,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--memory-gib", type=float, default=None,
                    help="activation memory per rank for the planners (default 3 on CPU, "
                         "60 on GPU)")
+    g.add_argument("--train-args", default="",
+                   help="more trainer flags for every run, one string (e.g. "
+                        "'--no-bias-gelu-fusion --profile')")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--timeout-minutes", type=float, default=20.0,
                    help="per (model, max length) group")
@@ -898,6 +903,7 @@ def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
         "device_flops": args.device_flops or (3e14 if device == "cuda" else 2e10),
         "memory_gib": args.memory_gib or (60.0 if device == "cuda" else 3.0),
         "cost_model": args.cost_model, "cost_model_cache_dir": args.cost_model_cache_dir,
+        "train_args": shlex.split(args.train_args),
         "timeout_minutes": max(2.0, args.timeout_minutes / 2), "verbose": args.verbose,
         "result_file": str(work / f"result_{model}_{max_len}.json"),
     }

@@ -40,10 +40,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 PACKED_MODES = ("segments", "mask")
+
+# SDPA backends in the order tried. cuDNN's kernel (torch 2.11's first choice on an H100) builds
+# an execution graph for every new input shape, ~100 ms of host time each time; dynamic
+# micro-batches bring new shapes for hundreds of iterations, and the measured GPT run on an H100
+# spent 60% of its host time there (docs/BENCHMARKS.md, "GPU"). Flash and memory-efficient
+# attention need no per-shape set-up, so they come first; every backend stays enabled.
+SDPA_PRIORITY = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                 SDPBackend.CUDNN_ATTENTION]
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,7 +249,7 @@ class SDPAttention(DotProductAttention):
 
     def _sdpa(self, q, k, v, allowed, causal):
         """[b, heads, sq, dim] output; `allowed` broadcastable bool, True = may attend."""
-        with self._dropout_rng():
+        with self._dropout_rng(), sdpa_kernel(SDPA_PRIORITY, set_priority=True):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, is_causal=causal, dropout_p=self._dropout_p(),
                 scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -98,7 +98,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
                              dtype: str = "float32", hidden_dropout: float = 0.0,
                              attention_dropout: float = 0.0, recompute: str = "none",
-                             fused: bool | None = None) -> TransformerConfig:
+                             fused: bool | None = None,
+                             fuse_bias_gelu: bool = True,
+                             fuse_bias_dropout: bool = True) -> TransformerConfig:
     """megatron-core config for the stage modules: CPU initialisation (the weights are set by
     init_weights, so megatron's own init is skipped). `fused` (default: when CUDA is there)
     switches on megatron-core's bias-GELU (tanh GELU, as Megatron-LM trains) and
@@ -107,6 +109,8 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     (bias-GELU fwd+bwd 176 vs 76 ms at [512, 4, 1024], one thread), so CPU runs leave them off.
     Unfused runs use gelu_tanh, the same function as the fusion (megatron-core's default
     activation, exact F.gelu, would make CPU and GPU runs differ and would not match GPT-2).
+    `fuse_bias_gelu` / `fuse_bias_dropout` (Megatron's --no-bias-gelu-fusion and
+    --no-bias-dropout-fusion) switch one of them off where `fused` is on.
     Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
     persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use.
     Dropout defaults to 0 here (tests and tools compare exact numbers); the trainer passes
@@ -114,7 +118,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
-    fuse_activation = fused and spec.add_bias_linear   # bias-GeLU needs a bias to fuse
+    fuse_activation = fused and fuse_bias_gelu and spec.add_bias_linear  # needs a bias to fuse
     config = TransformerConfig(
         normalization=spec.normalization,
         layernorm_epsilon=spec.layernorm_epsilon,
@@ -136,7 +140,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         fp16=dtype == "float16",
         use_cpu_initialization=True,
         perform_initialization=False,
-        bias_dropout_fusion=fused,
+        bias_dropout_fusion=fused and fuse_bias_dropout,
         bias_activation_fusion=fuse_activation,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,

@@ -92,6 +92,13 @@ class TrainConfig:
     mixing_temperature: float = 1.0
     hidden_dropout: float = 0.1                 # Megatron's defaults
     attention_dropout: float = 0.1
+    bias_gelu_fusion: bool = True               # megatron-core's torch.compile'd fusions (GPU)
+    bias_dropout_fusion: bool = True
+    profile: bool = False                       # torch.profiler over the iterations below
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple = (0,)
+    profile_dir: str | None = None
     lr_wsd_decay_style: str = "exponential"     # WSD's annealing phase (Megatron's default)
     lr_wsd_decay_iters: int = 0                 # its length in iterations; WSD needs > 0
     # validation (megatron/training/evaluation.py)
@@ -218,6 +225,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
              f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters - "
              f"--lr-warmup-iters = {room} (the annealing phase ends at --lr-decay-iters), "
              f"got {cfg.lr_wsd_decay_iters}")
+    need(not cfg.profile or 0 <= cfg.profile_step_start < cfg.profile_step_end,
+         f"--profile needs 0 <= --profile-step-start < --profile-step-end, got "
+         f"{cfg.profile_step_start} and {cfg.profile_step_end}")
     for name in ("hidden_dropout", "attention_dropout"):
         need(0 <= getattr(cfg, name) < 1,
              f"--{flag(name)} must lie in [0, 1), got {getattr(cfg, name)}")
@@ -494,6 +504,11 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="dropout on the attention probabilities (Megatron's default 0.1); on "
                         "CPU any value > 0 runs attention unfused (torch's fused CPU kernel "
                         "has no dropout): slower, and s^2 activations per head")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="GPU: run bias + GeLU unfused (megatron-core's fusion is torch.compile'd "
+                        "and compiles again for new micro-batch shapes while it warms up)")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="GPU: run bias + dropout + residual add unfused")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", required=True, nargs="+",
@@ -552,6 +567,14 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         "which requirements.txt leaves out)")
     g.add_argument("--stats-file", default=None,
                    help="append every iteration's numbers as a JSON line (rank 0)")
+    g.add_argument("--profile", action="store_true",
+                   help="run torch.profiler over iterations [--profile-step-start, "
+                        "--profile-step-end) on --profile-ranks: a table of the costliest ops "
+                        "on stdout, and a Chrome trace in --profile-dir when given")
+    g.add_argument("--profile-dir", default=None, help="where --profile writes Chrome traces")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
     g.add_argument("--debug", action="store_true",
                    help="on a failure print the traceback, not just the one-line error")
     return p
@@ -635,6 +658,10 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         debug=args.debug, mixing_cap=args.mixing_cap,
         mixing_temperature=args.mixing_temperature,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        profile=args.profile, profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
+        profile_dir=args.profile_dir,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         lr_wsd_decay_iters=args.lr_wsd_decay_iters or 0,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,

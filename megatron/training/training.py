@@ -46,6 +46,7 @@ from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_g
 from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
 from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
+from megatron.training.profiling import IterationProfiler
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
                                              shapes_summary, token_slots)
 
@@ -234,7 +235,9 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
                                       cfg.pipeline_model_parallel_size, model_dtype(cfg),
                                       hidden_dropout=cfg.hidden_dropout,
                                       attention_dropout=cfg.attention_dropout,
-                                      fused=layout.device.type == "cuda")
+                                      fused=layout.device.type == "cuda",
+                                      fuse_bias_gelu=cfg.bias_gelu_fusion,
+                                      fuse_bias_dropout=cfg.bias_dropout_fusion)
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config,
                                tie_embeddings=not cfg.untie_embeddings_and_output_weights)
     initialize_stage_weights(stages, cfg.seed)
@@ -544,14 +547,17 @@ def evaluate_or_fail(run: TrainingRun, iterations_done: int):
 def train(run: TrainingRun) -> list[IterationStats]:
     """The training loop; returns the per-iteration stats (identical on every rank)."""
     cfg = run.cfg
+    profiler = IterationProfiler(cfg, run.layout.rank, run.layout.device)
     try:
         for iteration in range(run.start_iteration, cfg.train_iters):
+            profiler.before(iteration)
             try:
                 stats = train_step(run, iteration)
             except Exception as err:
                 raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
                                      f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): iteration "
                                      f"{iteration} failed: {type(err).__name__}: {err}") from err
+            profiler.after(iteration)
             run.logger.log(stats)
             done = iteration + 1
             if run.evaluator is not None and run.evaluator.due(done):
@@ -559,6 +565,7 @@ def train(run: TrainingRun) -> list[IterationStats]:
             if cfg.save and (done == cfg.train_iters or
                              (cfg.save_interval and done % cfg.save_interval == 0)):
                 save(run, done)
+        profiler.stop(cfg.train_iters)
     finally:
         run.close()
     return run.logger.history
