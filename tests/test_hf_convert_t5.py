@@ -288,10 +288,17 @@ def test_imported_t5_v11_finetunes_at_tp2_on_t5_tokenized_data_with_hf_loss(t5_f
         "--encoder-seq-length", str(enc_len), "--decoder-seq-length", str(dec_len),
         "--tokens-per-global-batch", "1024", "--train-iters", "2", "--lr", "1e-3",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-planner-workers", "0",
-        "--load", str(tmp_path / "ours"), "--finetune"]
+        "--load", str(tmp_path / "ours"), "--finetune", "--save", str(tmp_path / "run")]
     stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl", timeout=400)
     assert [s["iteration"] for s in stats] == [1, 2]
     assert all(np.isfinite(s["loss"]) for s in stats)
+    # the run exports with the import's model flags; transformers reads the tuned weights
+    export_run(tmp_path / "run", tmp_path / "ours", tmp_path / "back")
+    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back")
+    tuned = read_converted(str(tmp_path / "run"), str(tmp_path / "ours"))[0]
+    assert torch.equal(back.lm_head.weight, tuned["output_layer.weight"][:384])
+    assert not torch.equal(back.lm_head.weight, model.lm_head.weight)
+    assert back.config.decoder_start_token_id == back.config.pad_token_id == 0
 
     data = open_training_data(parse_args("t5", args, has_cuda=False))
     assert len(data.dataset) == len(t5_flan["records"])     # sample i is line i
@@ -308,3 +315,35 @@ def test_imported_t5_v11_finetunes_at_tp2_on_t5_tokenized_data_with_hf_loss(t5_f
             count += labels.shape[1]
     reference = total / count
     assert abs(stats[0]["loss"] - reference) <= 1e-5 * reference, (stats[0]["loss"], reference)
+
+
+def export_run(run_dir, converted_dir, out_dir):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(run_dir), "--model-args", str(converted_dir),
+                           "--to", str(out_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_exporting_a_run_needs_the_model_args_of_its_model(tmp_path):
+    """A training run's --save directory has no model_args.json: exporting it without
+    --model-args, or with the flags of another model, is a one-line error saying so."""
+    import shutil
+    random_t5(tmp_path / "hf", *T5_CONFIGS[0])
+    random_t5(tmp_path / "hf2", *T5_CONFIGS[1])
+    convert(tmp_path / "hf", tmp_path / "ours")
+    convert(tmp_path / "hf2", tmp_path / "other")
+    shutil.copytree(tmp_path / "ours", tmp_path / "run")
+    os.remove(tmp_path / "run" / "model_args.json")     # what a --save directory looks like
+    tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+            "--to-hf", str(tmp_path / "run"), "--to", str(tmp_path / "back")]
+    done = subprocess.run(tool, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "give --model-args DIR" in done.stderr, done.stderr
+    done = subprocess.run(tool + ["--model-args", str(tmp_path / "other")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "holds another model" in done.stderr \
+        and "num_layers 2 (ModelArgs: 1)" in done.stderr, done.stderr
+    export_run(tmp_path / "run", tmp_path / "ours", tmp_path / "back")
+    a = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
+    b = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
