@@ -18,8 +18,8 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
-multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary rows the way Megatron's
-converters do (copies of the last row) and `hf_from_*` drops them again.
+multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
+rows the way Megatron's converters do (copies of the last row) and `hf_from_*` drops them again.
 """
 from __future__ import annotations
 
