@@ -120,6 +120,7 @@ def test_special_ids_and_vocab_size_are_hugging_faces(spiece, hf):
     assert (tok.pad, tok.eos, tok.unk, tok.bos) == (hf.pad_token_id, hf.eos_token_id,
                                                     hf.unk_token_id, None) == (0, 1, 2, None)
     assert tok.sentinel_ids == hf.convert_tokens_to_ids([f"<extra_id_{k}>" for k in range(100)])
+    assert tok.additional_special_tokens_ids == tok.sentinel_ids
     assert tok.sentinel_ids[0] == tok.vocab_size - 1 and tok.sentinel_ids[99] == 500
     # FLAN-T5's config.json: decoder_start_token_id 0 = pad_token_id
     assert tok.decoder_start == transformers.T5Config().pad_token_id == tok.pad == 0

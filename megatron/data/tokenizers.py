@@ -167,6 +167,11 @@ class T5SentencePieceTokenizer:
         self._special_re = re.compile("|".join(
             re.escape(t) for t in sorted(self._special, key=len, reverse=True)))
 
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """The sentinel ids under Megatron-LM's (and HF's) name, `<extra_id_0>` first."""
+        return list(self.sentinel_ids)
+
     def encode(self, text: str) -> list[int]:
         ids, start = [], 0
         for match in self._special_re.finditer(text):
