@@ -2,7 +2,8 @@
 T5ForConditionalGeneration (gated GeLU, RMSNorm, no biases, relative position buckets, untied
 head) imported with tools/convert_checkpoint.py gives the same logits in our stage modules as
 in transformers (fp32, within 1e-4 of the logit scale), at TP=1 and TP=2 x PP=2; exporting the
-import gives back the same tensors."""
+import gives back the same tensors; fine-tuned on data tokenised with T5SentencePieceTokenizer,
+its first loss is transformers' loss on the same texts."""
 import os
 import subprocess
 import sys
@@ -35,7 +36,8 @@ def random_t5(directory, enc, dec, d_model, heads, d_kv, d_ff, vocab, buckets, d
         vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=enc,
         num_decoder_layers=dec, num_heads=heads, relative_attention_num_buckets=buckets,
         relative_attention_max_distance=distance, feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False, dropout_rate=0.0)
+        tie_word_embeddings=False, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)    # FLAN-T5's config.json
     model = transformers.T5ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -240,3 +242,108 @@ def test_converted_t5_v11_finetunes_at_pp2_from_its_weights(sp_dataset, tmp_path
     assert trained.keys() == imported.keys()
     for name, value in imported.items():
         assert torch.allclose(trained[name], value, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def t5_flan(tmp_path_factory):
+    """FLAN-like data preprocessed with --tokenizer-type T5SentencePieceTokenizer and a T5
+    spiece.model of 250 pieces: 350 tokens, which a T5 checkpoint pads to 384 rows (3 x 128,
+    as FLAN-T5's 32100 tokens are 32128 = 251 x 128 rows)."""
+    from megatron.data.flan_records import ReadCounts, read_records
+    from test_t5_tokenizer import train_t5_spiece
+    from test_training import run_tool
+    d = tmp_path_factory.mktemp("t5flan")
+    run_tool("tools/make_flan_sample.py", "--output", str(d / "flan.jsonl"),
+             "--num-samples", "300", "--seed", "7")
+    records = list(read_records([str(d / "flan.jsonl")], ReadCounts()))
+    spiece = train_t5_spiece([t for r in records for t in (r.inputs, r.targets)],
+                             d / "spiece", 250)
+    tokenizer = ["--tokenizer-type", "T5SentencePieceTokenizer", "--tokenizer-model", spiece]
+    run_tool("tools/preprocess_flan.py", "--input", str(d / "flan.jsonl"), "--output-prefix",
+             str(d / "flan"), *tokenizer, "--no-progress")
+    return {"records": records, "spiece": spiece,
+            "args": ["--data-path", str(d / "flan"), *tokenizer]}
+
+
+@pytest.mark.slow
+def test_imported_t5_v11_finetunes_at_tp2_on_t5_tokenized_data_with_hf_loss(t5_flan,
+                                                                             tmp_path):
+    """The README's FLAN-T5 recipe end to end: data preprocessed with T5SentencePieceTokenizer,
+    a T5 v1.1 imported at TP=1 (384 vocabulary rows, the checkpoint's own), fine-tuned at TP=2
+    with --make-vocab-size-divisible-by 64 (which pads 350 tokens to the same 384 rows; the
+    default 128 would pad to 512 at TP=2). The first iteration's loss equals what transformers
+    computes for the same samples from their raw text with its own T5 tokenizer (eos-ended
+    labels, decoder input shifted right from pad): tokenizer, data path and model agree."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import open_training_data
+    from test_t5_tokenizer import hf_t5_tokenizer
+    from test_training import torchrun
+    model = random_t5(tmp_path / "hf", 2, 2, 32, 2, 16, 64, 384, 8, 32)
+    printed = convert(tmp_path / "hf", tmp_path / "ours")
+    assert "vocabulary 384 padded to 384" in printed
+    flags = printed.split("train with: ")[1].split()
+    enc_len, dec_len = 128, 32
+    args = t5_flan["args"] + flags + [
+        "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
+        "--encoder-seq-length", str(enc_len), "--decoder-seq-length", str(dec_len),
+        "--tokens-per-global-batch", "1024", "--train-iters", "2", "--lr", "1e-3",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--num-planner-workers", "0",
+        "--load", str(tmp_path / "ours"), "--finetune", "--save", str(tmp_path / "run")]
+    stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl", timeout=400)
+    assert [s["iteration"] for s in stats] == [1, 2]
+    assert all(np.isfinite(s["loss"]) for s in stats)
+    # the run exports with the import's model flags; transformers reads the tuned weights
+    export_run(tmp_path / "run", tmp_path / "ours", tmp_path / "back")
+    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back")
+    tuned = read_converted(str(tmp_path / "run"), str(tmp_path / "ours"))[0]
+    assert torch.equal(back.lm_head.weight, tuned["output_layer.weight"][:384])
+    assert not torch.equal(back.lm_head.weight, model.lm_head.weight)
+    assert back.config.decoder_start_token_id == back.config.pad_token_id == 0
+
+    data = open_training_data(parse_args("t5", args, has_cuda=False))
+    assert len(data.dataset) == len(t5_flan["records"])     # sample i is line i
+    hf = hf_t5_tokenizer(t5_flan["spiece"])
+    total = count = 0.0
+    with torch.no_grad():
+        for i in data.sample_ids(0):
+            rec = t5_flan["records"][int(i)]
+            enc = hf(rec.inputs, truncation=True, max_length=enc_len, return_tensors="pt")
+            labels = hf(rec.targets, truncation=True, max_length=dec_len,
+                        return_tensors="pt").input_ids
+            loss = model(input_ids=enc.input_ids, labels=labels).loss
+            total += float(loss) * labels.shape[1]
+            count += labels.shape[1]
+    reference = total / count
+    assert abs(stats[0]["loss"] - reference) <= 1e-5 * reference, (stats[0]["loss"], reference)
+
+
+def export_run(run_dir, converted_dir, out_dir):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(run_dir), "--model-args", str(converted_dir),
+                           "--to", str(out_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_exporting_a_run_needs_the_model_args_of_its_model(tmp_path):
+    """A training run's --save directory has no model_args.json: exporting it without
+    --model-args, or with the flags of another model, is a one-line error saying so."""
+    import shutil
+    random_t5(tmp_path / "hf", *T5_CONFIGS[0])
+    random_t5(tmp_path / "hf2", *T5_CONFIGS[1])
+    convert(tmp_path / "hf", tmp_path / "ours")
+    convert(tmp_path / "hf2", tmp_path / "other")
+    shutil.copytree(tmp_path / "ours", tmp_path / "run")
+    os.remove(tmp_path / "run" / "model_args.json")     # what a --save directory looks like
+    tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+            "--to-hf", str(tmp_path / "run"), "--to", str(tmp_path / "back")]
+    done = subprocess.run(tool, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "give --model-args DIR" in done.stderr, done.stderr
+    done = subprocess.run(tool + ["--model-args", str(tmp_path / "other")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "holds another model" in done.stderr \
+        and "num_layers 2 (ModelArgs: 1)" in done.stderr, done.stderr
+    export_run(tmp_path / "run", tmp_path / "ours", tmp_path / "back")
+    a = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
+    b = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -7,9 +7,13 @@ and back
         [--target-tensor-parallel-size 2] [--untie-embeddings-and-output-weights]
     # export: a converted directory -> a save_pretrained directory
     python tools/convert_checkpoint.py --to-hf /ckpt/gpt2-import --to /models/gpt2-back
+    # export a run fine-tuned from it (pretrain_*.py --load /ckpt/gpt2-import --save /runs/x)
+    python tools/convert_checkpoint.py --to-hf /runs/x --model-args /ckpt/gpt2-import \
+        --to /models/gpt2-tuned
 
-The import pads the vocabulary to what a training run at --target-tensor-parallel-size builds
-(training.padded_vocab_size) and prints the model flags to train with. Nothing is downloaded.
+The import pads the vocabulary to what a training run at --target-tensor-parallel-size and
+--make-vocab-size-divisible-by builds (training.padded_vocab_size) and prints the model flags to
+train with. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from megatron.model.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
                                        read_hf, write_converted, write_hf)
+from megatron.training.arguments import VOCAB_MULTIPLE  # noqa: E402
+from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
 
 
@@ -61,27 +67,44 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="transformers checkpoint directory")
-    src.add_argument("--to-hf", metavar="DIR", help="a directory this tool converted into")
+    src.add_argument("--to-hf", metavar="DIR",
+                     help="a directory this tool converted into, or a training run's --save "
+                          "directory (with --model-args)")
     p.add_argument("--to", metavar="DIR", required=True, help="output directory")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
                    help="pad the vocabulary as a run at this TP does (default 1)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
+                   help="pad the vocabulary as a run with this value does (default "
+                        f"{VOCAB_MULTIPLE}, Megatron's); the run must be given the same")
+    p.add_argument("--model-args", metavar="DIR", default=None,
+                   help="export: the converted directory whose model_args.json describes the "
+                        "model (default: the --to-hf directory); give it to export a training "
+                        "run fine-tuned from that import")
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="import: give the output layer its own copy of the embedding")
     a = p.parse_args(argv)
+    if a.make_vocab_size_divisible_by < 1 or a.target_tensor_parallel_size < 1:
+        p.error("--make-vocab-size-divisible-by and --target-tensor-parallel-size must be >= 1")
+    if a.model_args and not a.to_hf:
+        p.error("--model-args is for --to-hf (export)")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()      # one line of output, not loading / writing bars
     try:
         if a.from_hf:
             full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
-            rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size)
+            rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size,
+                                     a.make_vocab_size_divisible_by)
             path = write_converted(fit_vocab(full, rows, a.from_hf), args, a.to)
+            flags = training_flags(args)
+            if a.make_vocab_size_divisible_by != VOCAB_MULTIPLE:
+                flags += f" --make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}"
             print(f"wrote {path} ({len(full)} tensors, vocabulary {args.vocab_size} padded to "
-                  f"{rows}); train with: {training_flags(args)}")
+                  f"{rows}); train with: {flags}")
         else:
-            full, args = read_converted(a.to_hf)
+            full, args = read_converted(a.to_hf, a.model_args)
             write_hf(full, args, a.to)
             print(f"wrote a transformers checkpoint to {a.to}")
-    except (ConversionError, OSError) as err:
+    except (ConversionError, CheckpointError, OSError) as err:
         print(f"convert_checkpoint: {err}", file=sys.stderr)
         return 1
     return 0

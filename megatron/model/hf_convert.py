@@ -18,8 +18,8 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
-multiple of 128 x TP); `fit_vocab` pads a full state's vocabulary rows the way Megatron's
-converters do (copies of the last row) and `hf_from_*` drops them again.
+multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
+rows the way Megatron's converters do (copies of the last row) and `hf_from_*` drops them again.
 """
 from __future__ import annotations
 
@@ -354,7 +354,9 @@ def t5_config(args: ModelArgs):
                     relative_attention_num_buckets=args.relative_attention_num_buckets,
                     relative_attention_max_distance=args.relative_attention_max_distance,
                     layer_norm_epsilon=args.layernorm_epsilon, feed_forward_proj="gated-gelu",
-                    tie_word_embeddings=False, dropout_rate=0.0)
+                    tie_word_embeddings=False, dropout_rate=0.0,
+                    # T5's ids (T5SentencePieceTokenizer): the decoder starts from pad
+                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 
 
 # ---------------------------------------------------------------- vocabulary padding
@@ -457,12 +459,26 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
     return folder
 
 
-def read_converted(directory: str) -> tuple[dict, ModelArgs]:
-    """(full state, ModelArgs) of a checkpoint written by write_converted (for export)."""
+def read_converted(directory: str, args_directory: str | None = None) -> tuple[dict, ModelArgs]:
+    """(full state, ModelArgs) of a checkpoint for export: one written by write_converted, or a
+    training run's (`--save`) with the ModelArgs of the converted directory it was fine-tuned
+    from (`args_directory`); its model shape must be that of the ModelArgs."""
     import json
     import os
 
-    from megatron.training.checkpointing import read_full_model_state
-    with open(os.path.join(directory, ARGS_FILE)) as f:
+    from megatron.training.checkpointing import read_common, read_full_model_state
+    args_file = os.path.join(args_directory or directory, ARGS_FILE)
+    if not os.path.isfile(args_file):
+        raise ConversionError(f"{args_file} not found: export reads the model flags from a "
+                              "directory tools/convert_checkpoint.py wrote; for a training "
+                              "run's checkpoint give --model-args DIR, the converted directory "
+                              "it was fine-tuned from")
+    with open(args_file) as f:
         args = ModelArgs(**json.load(f))
+    saved = read_common(directory)["config"]
+    differ = [f"{k} {saved[k]} (ModelArgs: {getattr(args, k)})" for k in sorted(saved)
+              if k != "model" and getattr(args, k, saved[k]) != saved[k]]
+    if saved.get("model") != args.model or differ:
+        raise ConversionError(f"{directory} holds another model than {args_file} describes: "
+                              f"{', '.join(differ) or saved.get('model')}")
     return read_full_model_state(directory), args

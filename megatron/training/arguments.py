@@ -12,12 +12,13 @@ from dynapipe_ext.iteration_planner import REPLICA_SPLITS
 from dynapipe_ext.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
+from megatron.data.tokenizers import TOKENIZER_TYPES, VOCAB_EXTRA_IDS_HELP
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+VOCAB_MULTIPLE = 128    # Megatron's --make-vocab-size-divisible-by default
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,8 @@ class TrainConfig:
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     kv_channels: int = 0                        # --kv-channels; 0: hidden / heads
+    vocab_extra_ids: int | None = None          # T5SentencePieceTokenizer sentinels (None: 100)
+    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE  # padded vocabulary: this x TP
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -244,9 +247,19 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                        "(the default)")
     need(cfg.tokenizer_type in TOKENIZER_TYPES,
          f"--tokenizer-type must be one of {TOKENIZER_TYPES}, got {cfg.tokenizer_type!r}")
-    if cfg.tokenizer_type == "SentencePieceTokenizer":
+    if cfg.tokenizer_type in ("SentencePieceTokenizer", "T5SentencePieceTokenizer"):
         need(bool(cfg.tokenizer_model),
-             "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+             f"--tokenizer-type {cfg.tokenizer_type} needs --tokenizer-model")
+    need(cfg.tokenizer_type != "T5SentencePieceTokenizer" or cfg.model == "t5",
+         "--tokenizer-type T5SentencePieceTokenizer is for pretrain_t5.py (its ids end in "
+         "eos and its decoder starts from pad)")
+    need(cfg.vocab_extra_ids is None or cfg.tokenizer_type == "T5SentencePieceTokenizer",
+         f"--vocab-extra-ids applies to --tokenizer-type T5SentencePieceTokenizer, not "
+         f"{cfg.tokenizer_type}")
+    need(cfg.vocab_extra_ids is None or cfg.vocab_extra_ids >= 0,
+         f"--vocab-extra-ids must be >= 0, got {cfg.vocab_extra_ids}")
+    need(cfg.make_vocab_size_divisible_by > 0,
+         f"--make-vocab-size-divisible-by must be > 0, got {cfg.make_vocab_size_divisible_by}")
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(cfg, name)
         need(path is None or os.path.isfile(path), f"--{flag(name)} {path}: no such file")
@@ -534,6 +547,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-extra-ids", type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-"
+                        "size, as Megatron (default 128); a checkpoint loads where the padded "
+                        "sizes agree, e.g. 64 pads FLAN-T5's 32100 tokens to its 32128 rows at "
+                        "TP=1 and TP=2")
 
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -677,7 +696,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         softmax_scale=args.softmax_scale, kv_channels=args.kv_channels or 0,
         position_embedding_type=args.position_embedding_type,
         relative_attention_num_buckets=args.relative_attention_num_buckets,
-        relative_attention_max_distance=args.relative_attention_max_distance)
+        relative_attention_max_distance=args.relative_attention_max_distance,
+        vocab_extra_ids=args.vocab_extra_ids,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
 def config_field_names() -> list[str]:

@@ -684,8 +684,11 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
         load_sharded_state(named, loaded.model, place.tp_rank, place.tp,
                            f"{iteration_dir(directory, iteration)}")
     except ValueError as err:
-        hint = (" (the vocabulary is padded to a multiple of 128 x TP, so some TP sizes pad it "
-                "differently)" if "word_embeddings.weight: shape" in str(err) else "")
+        divisor = getattr(cfg, "make_vocab_size_divisible_by", 128)
+        hint = (f" (the vocabulary is padded to a multiple of {divisor} x TP, "
+                f"--make-vocab-size-divisible-by {divisor}, so some TP sizes pad it "
+                f"differently; pick a value that pads both alike)"
+                if "word_embeddings.weight: shape" in str(err) else "")
         raise CheckpointError(f"{err}{hint}") from None
     optimizer.main_from_model()
     finetune = getattr(cfg, "finetune", False)

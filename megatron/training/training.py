@@ -36,7 +36,7 @@ from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
                                    replica_groups)
 from megatron.training import checkpointing, device_costs
-from megatron.training.arguments import TrainConfig, check_device_precision
+from megatron.training.arguments import VOCAB_MULTIPLE, TrainConfig, check_device_precision
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
@@ -49,8 +49,6 @@ from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.profiling import IterationProfiler
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
                                              shapes_summary, token_slots)
-
-VOCAB_MULTIPLE = 128   # Megatron's --make-vocab-size-divisible-by default
 
 
 class RunSetupError(RuntimeError):
@@ -108,9 +106,10 @@ class TrainingData:
         return self.dataset.t5_truncation(self.seq_length, self.decoder_seq_length)
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Round the vocabulary up so the output layer splits evenly over TP ranks (as Megatron)."""
-    multiple = VOCAB_MULTIPLE * tp
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_MULTIPLE) -> int:
+    """Round the vocabulary up to a multiple of `divisible_by` x TP so the output layer splits
+    evenly over TP ranks (Megatron's --make-vocab-size-divisible-by)."""
+    multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
 
@@ -131,7 +130,7 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
     except (OSError, ValueError) as exc:
         raise RunSetupError(f"{where}: {exc}") from exc
     tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
-                                cfg.tokenizer_model)
+                                cfg.tokenizer_model, cfg.vocab_extra_ids)
     if dataset.tokenizer_info.get("type") != cfg.tokenizer_type:
         raise RunSetupError(f"{where}: the dataset was tokenised with "
                             f"{dataset.tokenizer_info.get('type')}, this run uses "
@@ -145,7 +144,8 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
     if mismatch:
         raise RunSetupError(f"{where}: {mismatch}")
     dataset.check_vocab_size(padded_vocab_size(tokenizer.vocab_size,
-                                               cfg.tensor_model_parallel_size))
+                                               cfg.tensor_model_parallel_size,
+                                               cfg.make_vocab_size_divisible_by))
     if cfg.is_t5:
         lengths = dataset.t5_lengths(cfg.seq_length, cfg.decoder_seq_length)
     else:
@@ -210,7 +210,8 @@ def sampler_settings(cfg: TrainConfig) -> dict:
 def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
     return ModelSpec(model=cfg.model, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
-                     vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size),
+                     vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size,
+                                                  cfg.make_vocab_size_divisible_by),
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
                      max_position_embeddings=cfg.max_position_embeddings,
