@@ -246,3 +246,13 @@ def test_t5_v11_layer_options_reach_the_model_spec():
 def test_relative_positions_on_gpt_are_rejected(capsys):
     err = parse_or_exit_message(capsys, "gpt", ["--position-embedding-type", "relative"])
     assert "--position-embedding-type relative is a T5 option" in err
+
+
+def test_cost_model_defaults_to_a_profile_on_gpu_only(monkeypatch):
+    monkeypatch.delenv("DYNAPIPE_DEVICE", raising=False)
+    assert parse_args("gpt", BASE, has_cuda=True).cost_model == "profile"
+    assert parse_args("gpt", BASE, has_cuda=False).cost_model == "analytic"
+    monkeypatch.setenv("DYNAPIPE_DEVICE", "cpu")       # a GPU host forced onto CPU
+    assert parse_args("gpt", BASE, has_cuda=True).cost_model == "analytic"
+    assert parse_args("gpt", BASE + ["--cost-model", "analytic"],
+                      has_cuda=True).cost_model == "analytic"

@@ -207,6 +207,7 @@ def test_short_training_run_with_the_device_cost_model(model, sp_dataset, tmp_pa
     iterations = 8
     argv = sp_dataset + shape + [
         "--bf16", "--pipeline-model-parallel-size", str(world), "--device-flops", FLOPS,
+        "--cost-model", "analytic",
         "--tokens-per-global-batch", "8192", "--train-iters", str(iterations),
         "--num-planner-workers", "1", "--lr", "1e-3"]
     stats_file = tmp_path / "stats.jsonl"

@@ -83,8 +83,8 @@ def train_flags(job: dict, strategy: str) -> list[str]:
     if job.get("bf16"):
         flags.append("--bf16")
     flags += job.get("train_args", [])
+    flags += ["--cost-model", job.get("cost_model", "analytic")]   # explicit: GPU defaults differ
     if job.get("cost_model") == "profile":
-        flags += ["--cost-model", "profile"]
         if job.get("cost_model_cache_dir"):
             flags += ["--cost-model-cache-dir", job["cost_model_cache_dir"]]
     return flags

@@ -458,11 +458,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="how many iterations ahead plans are made")
     g.add_argument("--check-plans", action="store_true",
                    help="run the plan checker on every plan before executing it")
-    g.add_argument("--cost-model", default="analytic",
+    g.add_argument("--cost-model", default=None,
                    help="'analytic'; 'profile': profile this run's model, device, precision "
-                        "and TP on first use (a minute or two on CPU for small models) and "
-                        "reuse it from the cache later; or the path of a profile made by "
-                        "tools/profile_cost_model.py")
+                        "and TP on first use (a minute or two) and reuse it from the cache "
+                        "later; or the path of a profile made by tools/profile_cost_model.py. "
+                        "Default: 'profile' on GPU (the analytic model knows no per-micro-batch "
+                        "launch cost there and cuts too many micro-batches), 'analytic' on CPU")
     g.add_argument("--cost-model-cache-dir", default=None,
                    help="where --cost-model profile keeps profiles (default "
                         "$XDG_CACHE_HOME or ~/.cache, then megatron-dynapipe/profiles)")
@@ -617,6 +618,13 @@ def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | N
     return cfg
 
 
+def default_cost_model(has_cuda: bool) -> str:
+    """'profile' where the run trains on a GPU (DYNAPIPE_DEVICE=cpu keeps a GPU host on CPU),
+    else 'analytic' (CPU plans then do not depend on timings of a loaded machine)."""
+    on_gpu = has_cuda and os.environ.get("DYNAPIPE_DEVICE", "").strip().lower() != "cpu"
+    return "profile" if on_gpu else "analytic"
+
+
 def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> TrainConfig:
     """Resolve Megatron's defaults (T5 layer counts, sequence lengths) into a TrainConfig."""
     if model == "t5":
@@ -658,7 +666,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
         replica_split=args.replica_split,
-        check_plans=args.check_plans, cost_model=args.cost_model,
+        check_plans=args.check_plans,
+        cost_model=args.cost_model or default_cost_model(has_cuda),
         lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None
         else max(args.train_iters, args.lr_warmup_iters),
