@@ -111,6 +111,7 @@ def test_packed_cross_attention(world, mode):
     compare([(2, 3), (4, 1)], [(5, 2), (3, 6)], 6, 10, causal=False, mode=mode)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
 @pytest.mark.parametrize("causal", [True, False])
 def test_flex_document_attention_on_cuda(world, causal):
@@ -218,6 +219,7 @@ def test_bench_tool_times_both_builders_and_the_new_one_is_compact():
         assert r["after_bytes"] < 1 << 20          # O(rows x S): under 1 MiB at 8192
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fusions are on with CUDA only")
 def test_fused_stage_on_cuda_matches_unfused(world):
     spec = ModelSpec("gpt", 2, 32, 4, 64, max_position_embeddings=64)
