@@ -7,6 +7,8 @@
 #   bash examples/reproduce_throughput.sh              # CPU: 2 ranks, gloo, PP=2
 #   MAX_LENGTHS="512 1024" bash examples/reproduce_throughput.sh   # a quicker subset
 #   DEVICE=cuda NPROC=1 PP=1 bash examples/reproduce_throughput.sh # one GPU, bf16
+#   DEVICE=cuda NPROC=1 PP=1 NUM_LAYERS=16 HIDDEN=2048 HEADS=16 TOKENS=65536 WARMUP=3 ITERS=4 \
+#     MAX_LENGTHS="2048 4096" bash examples/reproduce_throughput.sh   # the H100 table (BENCHMARKS "GPU")
 #   COST_MODEL=profile bash examples/reproduce_throughput.sh  # plan with the run's profile
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +19,8 @@ NPROC=${NPROC:-2}
 PP=${PP:-2}
 DEVICE=${DEVICE:-auto}
 ITERS=${ITERS:-3}
+WARMUP=${WARMUP:-1}             # GPU: 3 (torch.compile'd fusions compile for the first shapes)
+NUM_LAYERS=${NUM_LAYERS:-4}; HIDDEN=${HIDDEN:-256}; HEADS=${HEADS:-4}; TOKENS=${TOKENS:-8192}
 COST_MODEL=${COST_MODEL:-analytic}   # or profile: made on first use, cached (several minutes)
 mkdir -p "$WORK"
 
@@ -30,9 +34,9 @@ mkdir -p "$WORK"
 # 2. real training iterations: GPT and T5, every max length, every strategy
 CMD="bash examples/reproduce_throughput.sh"
 "$PY" tools/bench_throughput.py --data-path "$WORK/flan" --tokenizer-model "$WORK/sp.model" \
-    --models gpt t5 --max-lengths $MAX_LENGTHS --tokens-per-global-batch 8192 \
-    --warmup-iters 1 --iters "$ITERS" --num-layers 4 --hidden-size 256 \
-    --num-attention-heads 4 --nproc "$NPROC" --pp "$PP" --device "$DEVICE" \
+    --models gpt t5 --max-lengths $MAX_LENGTHS --tokens-per-global-batch "$TOKENS" \
+    --warmup-iters "$WARMUP" --iters "$ITERS" --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" \
+    --num-attention-heads "$HEADS" --nproc "$NPROC" --pp "$PP" --device "$DEVICE" \
     --cost-model "$COST_MODEL" --work-dir "$WORK/bench" \
     --output "$WORK/bench_throughput.json" --command "$CMD"
 
