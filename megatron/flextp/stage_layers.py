@@ -285,7 +285,7 @@ def optimizer_fields(optimizer, param) -> list[torch.Tensor]:
     out = [] if main.data_ptr() == param.data_ptr() else [main.detach()]
     state = optimizer.adam.state.get(main)
     if state:
-        pass  # BROKEN
+        out += [state["exp_avg"], state["exp_avg_sq"]]
     return out
 
 
