@@ -129,3 +129,19 @@ def test_straggler_migration_with_data_parallel_trains_like_even_tp(sp_dataset, 
     decisions = [[(h["action"], h["counts"]) for h in r["history"]] for r in semi]
     assert all(d == decisions[0] for d in decisions)
     assert any(h["action"] for h in semi[0]["history"])
+
+
+def test_slot_capacity_ffn_units_and_stage_figures():
+    import torch
+    from megatron.flextp.stage_balance import default_ffn_unit, stage_figures
+    from megatron.flextp.stage_layers import capacity
+    assert capacity(32, 2) == 31 and capacity(32, 4) == 16 and capacity(4, 2) == 3
+    assert default_ffn_unit(128, 2) == 4 and default_ffn_unit(96, 2) == 3
+    assert default_ffn_unit(40, 2) == 2          # 10 units per rank where 16 do not divide
+    # rows: (pp rank, tp rank, seconds, work, tokens); pipeline rank 0 has two replicas
+    table = torch.tensor([[0, 0, 1.0, 10.0, 5], [0, 1, 1.0, 10.0, 5],
+                          [0, 0, 1.0, 10.0, 5], [0, 1, 4.0, 10.0, 5],
+                          [1, 0, 9.0, 1.0, 5], [1, 1, 1.0, 1.0, 5]], dtype=torch.float64)
+    # per TP rank the slowest replica of this stage; the other stage's figures stay out
+    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0])
+    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0])

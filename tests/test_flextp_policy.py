@@ -105,3 +105,10 @@ def test_modes_and_semi_choices():
     assert decide("migrate", (21, 11), (1.0, 0.45), 100, COSTS).counts == (22, 10)   # 9%
     with pytest.raises(ValueError, match="--tp-balance"):
         decide("fast", even, (1.0, 1.0), 0, COSTS)
+
+
+def test_proportional_counts_respect_a_capacity():
+    assert proportional_counts(8, (1.0, 0.1)) == (7, 1)
+    assert proportional_counts(8, (1.0, 0.1), max_units=5) == (5, 3)
+    with pytest.raises(ValueError, match="between 1 and 3"):
+        proportional_counts(8, (1.0, 1.0), max_units=3)
