@@ -211,7 +211,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--round-iters", type=int, default=60)
     p.add_argument("--reuse-runs", default=None,
-                   help="take the long runs from this bench_flextp.json instead of running them")
+                   help="take the long runs from this bench_flextp.json (with --loss-seeds: "
+                        "the runs of this bench_flextp_loss.json) instead of running them")
     p.add_argument("--skip-onoff-even", action="store_true")
     p.add_argument("--write-doc", action="store_true")
     p.add_argument("--loss-seeds", type=int, default=0,
@@ -306,15 +307,18 @@ def loss_doc_text(args, table: str, summary: dict, load: dict) -> str:
     seeds = list(range(args.seed, args.seed + args.loss_seeds))
     base = summary["no straggler"]["final"]
     spread = (max(base) - min(base)) / statistics.mean(base)
+    again = (" (this text re-rendered from its saved runs with `--reuse-runs "
+             "docs/bench_flextp_loss.json`)" if args.reuse_runs else "")
     return f"""Run on {datetime.date.today()} with `python tools/bench_flextp.py --loss-seeds \
-{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --write-doc` (1-minute \
+{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --write-doc`{again} (1-minute \
 load average {load['before']:.1f} before, {load['after']:.1f} after): the FlexGPT and data of the \
 section above, {args.iters} iterations per run, seeds {seeds} (model initialisation and data \
 order; the no-straggler and straggler runs of a seed see the same batches), resize and semi \
 under the steady 2x straggler (`FLEXTP_SLOWDOWN=1:2`). Final loss: the mean over the last \
 {args.final_window} iterations; the last column shows how far a single iteration's loss would \
-move the comparison. The no-straggler runs' final losses spread by {spread:.1%} across seeds. \
-Raw losses: `docs/bench_flextp_loss.json`.
+move the comparison. The no-straggler runs' final losses spread by {spread:.1%} across seeds \
+(their batches differ too, so only the paired columns compare like with like). Raw losses: \
+`docs/bench_flextp_loss.json`.
 
 {table}
 
@@ -325,8 +329,14 @@ def loss_main(args) -> None:
     docs = REPO / "docs"
     load = {"before": os.getloadavg()[0]}
     seeds = range(args.seed, args.seed + args.loss_seeds)
-    losses = loss_runs(seeds, args.iters)
-    load["after"] = os.getloadavg()[0]
+    if args.reuse_runs:      # re-render from a saved bench_flextp_loss.json
+        saved = json.loads(Path(args.reuse_runs).read_text())
+        losses = {name: {int(s): v for s, v in runs.items()}
+                  for name, runs in saved["losses"].items()}
+        load = saved["load"]
+    else:
+        losses = loss_runs(seeds, args.iters)
+        load["after"] = os.getloadavg()[0]
     table, summary = loss_table(losses, args.final_window)
     (docs / "bench_flextp_loss.json").write_text(json.dumps(
         {"losses": losses, "summary": summary, "load": load, "iters": args.iters,
