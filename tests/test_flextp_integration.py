@@ -145,3 +145,20 @@ def test_slot_capacity_ffn_units_and_stage_figures():
     # per TP rank the slowest replica of this stage; the other stage's figures stay out
     assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0])
     assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0])
+
+
+def test_validation_computes_every_unit_then_resizing_resumes():
+    from types import SimpleNamespace
+    from dynapipe_ext.flextp.partition import even_partition
+    from megatron.flextp.stage_balance import StageBalancer
+    from megatron.flextp.stage_layers import FlexPair
+    pairs = {"mlp": [FlexPair("mlp", even_partition(8, 2), 1, 7, 4, 4, 16) for _ in range(2)],
+             "attn": []}
+    pairs["mlp"][0].set_drops((6,))
+    layout = SimpleNamespace(tp=2, tp_rank=1, pp_rank=0, rank=1, world_size=2)
+    balancer = StageBalancer(pairs, "resize", layout, group=None)
+    with balancer.all_units():
+        assert [p.drops for p in pairs["mlp"]] == [(), ()]
+        assert pairs["mlp"][0].computed_slots() == [0, 1, 2, 3]
+    assert [p.drops for p in pairs["mlp"]] == [(6,), ()]
+    assert pairs["mlp"][0].computed_slots() == [0, 1, 3]

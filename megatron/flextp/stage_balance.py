@@ -12,6 +12,8 @@ slot. Migration runs within each TP group (point-to-point); resizing skips the s
 of each layer (the replicas hold equal weights, so they pick the same ones)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,8 @@ class StageBalancer:
         self.observed, self.lasted = 0, 0
         self._interval_rows: list = []
         self.history: list[dict] = []
+        # units each TP rank skips per layer, by kind (every rank of the stage knows them)
+        self.skips = {k: [0] * self.tp for k in pairs}
         self.bandwidth = 1.0
         if mode == "semi":   # one figure for every rank, so every replica decides alike
             bw = torch.tensor([measure_bandwidth(group)], dtype=torch.float64)
@@ -71,6 +75,19 @@ class StageBalancer:
                 part = ps[0].partition
                 target = proportional_counts(part.num_units, speeds, max_units=ps[0].capacity)
                 migrate_pairs(ps, None, rebalance(part, target), self.group)
+
+    @contextlib.contextmanager
+    def all_units(self):
+        """Every unit computed inside the block (validation measures the whole model, not the
+        resized one); the skips come back after it."""
+        saved = [(p, p.drops) for ps in self.pairs.values() for p in ps]
+        for p, _ in saved:
+            p.set_drops(())
+        try:
+            yield
+        finally:
+            for p, drops in saved:
+                p.set_drops(drops)
 
     def begin(self) -> None:
         """Start of an iteration: clear the pairs' timers."""
@@ -103,12 +120,15 @@ class StageBalancer:
             self._interval_rows = []
         record.update(counts=self.counts(),
                       drops={k: [len(p.drops) for p in ps] for k, ps in self.pairs.items()})
+        record["skips"] = {k: list(v) for k, v in self.skips.items()}
+        before = self.history[-1] if self.history else record
         self.history.append(record)
-        if self.verbose and record["action"] and any(a != "keep"
-                                                     for a in record["action"].values()):
+        if self.verbose and (record["counts"], record["skips"]) != (before["counts"],
+                                                                    before["skips"]):
             print(f"[flextp] iteration {iteration + 1} (pipeline rank {self.layout.pp_rank}): "
-                  f"{record['action']}, units per TP rank {record['counts']}, stragglers "
-                  f"{record['stragglers']}", flush=True)
+                  f"{record['action']}; units per TP rank {record['counts']}, skipped per "
+                  f"layer {record['skips']}; stragglers (TP ranks) {record['stragglers']}",
+                  flush=True)
         return record
 
     def _decide(self) -> dict:
@@ -140,6 +160,8 @@ class StageBalancer:
             for p in ps:
                 n = min(rank_drops, max_drops(len(p.units()), self.max_fraction))
                 p.set_drops(choose_drops(p.units(), p.unit_norms(), n, p.drops) if n else ())
+            self.skips[kind] = [min(d, max_drops(c, self.max_fraction))
+                                for d, c in zip(decision.drops, decision.counts)]
             actions[kind] = decision.action
         return {"action": actions, "speeds": list(speeds)}
 

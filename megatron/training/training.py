@@ -544,6 +544,9 @@ def save(run: TrainingRun, iterations_done: int) -> None:
 def evaluate_or_fail(run: TrainingRun, iterations_done: int):
     """Validation after `iterations_done` iterations (ValidationStats), or TrainingFailed."""
     try:
+        if run.flextp is not None:     # the whole model, not the resized one
+            with run.flextp.all_units():
+                return run.evaluator.evaluate(run, iterations_done)
         return run.evaluator.evaluate(run, iterations_done)
     except Exception as err:
         raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
