@@ -12,7 +12,14 @@
 Writes docs/bench_flextp.json, docs/flextp_timeline.png, docs/flextp_loss.png and the "flextp"
 section of docs/BENCHMARKS.md with `--write-doc`. One run per configuration.
 
+3. `--loss-seeds N` (alone: the runs above are skipped): the loss comparison over N seeds (model
+   init and data order), no straggler vs resize vs semi under the steady 2x straggler, paired by
+   seed; the final loss is the mean of the last `--final-window` iterations (one iteration's
+   loss swings by several percent from batch to batch). Writes docs/bench_flextp_loss.json,
+   docs/flextp_loss_seeds.png and the "flextp-loss" section with `--write-doc`.
+
     python tools/bench_flextp.py [--iters 200] [--even-iters 80] [--period 50] [--write-doc]
+    python tools/bench_flextp.py --loss-seeds 3 [--iters 200] [--write-doc]
 """
 from __future__ import annotations
 
@@ -204,10 +211,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--round-iters", type=int, default=60)
     p.add_argument("--reuse-runs", default=None,
-                   help="take the long runs from this bench_flextp.json instead of running them")
+                   help="take the long runs from this bench_flextp.json (with --loss-seeds: "
+                        "the runs of this bench_flextp_loss.json) instead of running them")
     p.add_argument("--skip-onoff-even", action="store_true")
     p.add_argument("--write-doc", action="store_true")
+    p.add_argument("--loss-seeds", type=int, default=0,
+                   help="only the loss comparison, over this many seeds (see the docstring)")
+    p.add_argument("--seed", type=int, default=1234, help="first seed of --loss-seeds")
+    p.add_argument("--final-window", type=int, default=20,
+                   help="--loss-seeds: iterations averaged into the final loss")
     args = p.parse_args()
+    if args.loss_seeds:
+        return loss_main(args)
     docs = REPO / "docs"
     load = {"before": os.getloadavg()[0]}
     if args.reuse_runs:
@@ -233,6 +248,105 @@ def main() -> None:
         from tools.doc_sections import write_section
         write_section(docs / "BENCHMARKS.md", "flextp", "FlexTP: straggler-tolerant tensor "
                       "parallelism", doc_text(args, table, phase_rows, steady, extra, load))
+
+
+LOSS_RUNS = (("no straggler", "off", ""), ("resize", "resize", "1:2"), ("semi", "semi", "1:2"))
+
+
+def loss_runs(seeds, iters: int) -> dict[str, dict[int, list[float]]]:
+    """Per configuration and seed, the per-iteration losses (configurations take turns per
+    seed, so a drifting machine load cannot favour one; it does not touch the losses anyway)."""
+    out = {name: {} for name, _, _ in LOSS_RUNS}
+    for seed in seeds:
+        for name, mode, slow in LOSS_RUNS:
+            recs = run(f"{name} seed {seed}", mode, iters, slow, extra=("--seed", str(seed)))
+            out[name][seed] = [r["loss"] for r in recs]
+    return out
+
+
+def loss_table(losses: dict, window: int) -> tuple[str, dict]:
+    """Final losses (mean of the last `window` iterations, and the last iteration alone) per
+    configuration and seed, and each one relative to the no-straggler run of its seed."""
+    base = losses["no straggler"]
+    seeds = sorted(base)
+    rows = ["| run | final loss per seed (mean of last " + str(window) + ") | mean | vs no "
+            "straggler per seed | mean | last iteration alone, vs no straggler |",
+            "|---|---|---|---|---|---|"]
+    summary = {}
+    for name, per_seed in losses.items():
+        final = [statistics.mean(per_seed[s][-window:]) for s in seeds]
+        rel = [f / statistics.mean(base[s][-window:]) - 1 for f, s in zip(final, seeds)]
+        last = [per_seed[s][-1] / base[s][-1] - 1 for s in seeds]
+        summary[name] = {"final": final, "relative": rel, "last_relative": last}
+        rows.append(f"| {name} | {', '.join(f'{f:.4f}' for f in final)} | "
+                    f"{statistics.mean(final):.4f} | {', '.join(f'{r:+.2%}' for r in rel)} | "
+                    f"{statistics.mean(rel):+.2%} | {', '.join(f'{r:+.2%}' for r in last)} |")
+    return "\n".join(rows), summary
+
+
+def plot_loss_seeds(losses: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for (name, per_seed), color in zip(losses.items(), ("C0", "C1", "C2")):
+        for k, seed in enumerate(sorted(per_seed)):
+            lo = per_seed[seed]
+            smooth = [statistics.mean(lo[max(0, i - 9):i + 1]) for i in range(len(lo))]
+            ax.plot(smooth, color=color, lw=1, alpha=0.8, label=name if k == 0 else None)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (10-iteration mean)")
+    ax.set_ylim(top=3.6)
+    ax.set_title("one line per seed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def loss_doc_text(args, table: str, summary: dict, load: dict) -> str:
+    seeds = list(range(args.seed, args.seed + args.loss_seeds))
+    base = summary["no straggler"]["final"]
+    spread = (max(base) - min(base)) / statistics.mean(base)
+    again = (" (this text re-rendered from its saved runs with `--reuse-runs "
+             "docs/bench_flextp_loss.json`)" if args.reuse_runs else "")
+    return f"""Run on {datetime.date.today()} with `python tools/bench_flextp.py --loss-seeds \
+{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --write-doc`{again} (1-minute \
+load average {load['before']:.1f} before, {load['after']:.1f} after): the FlexGPT and data of the \
+section above, {args.iters} iterations per run, seeds {seeds} (model initialisation and data \
+order; the no-straggler and straggler runs of a seed see the same batches), resize and semi \
+under the steady 2x straggler (`FLEXTP_SLOWDOWN=1:2`). Final loss: the mean over the last \
+{args.final_window} iterations; the last column shows how far a single iteration's loss would \
+move the comparison. The no-straggler runs' final losses spread by {spread:.1%} across seeds \
+(their batches differ too, so only the paired columns compare like with like). Raw losses: \
+`docs/bench_flextp_loss.json`.
+
+{table}
+
+![loss curves, every seed](flextp_loss_seeds.png)"""
+
+
+def loss_main(args) -> None:
+    docs = REPO / "docs"
+    load = {"before": os.getloadavg()[0]}
+    seeds = range(args.seed, args.seed + args.loss_seeds)
+    if args.reuse_runs:      # re-render from a saved bench_flextp_loss.json
+        saved = json.loads(Path(args.reuse_runs).read_text())
+        losses = {name: {int(s): v for s, v in runs.items()}
+                  for name, runs in saved["losses"].items()}
+        load = saved["load"]
+    else:
+        losses = loss_runs(seeds, args.iters)
+        load["after"] = os.getloadavg()[0]
+    table, summary = loss_table(losses, args.final_window)
+    (docs / "bench_flextp_loss.json").write_text(json.dumps(
+        {"losses": losses, "summary": summary, "load": load, "iters": args.iters,
+         "window": args.final_window}))
+    plot_loss_seeds(losses, docs / "flextp_loss_seeds.png")
+    print(table)
+    if args.write_doc:
+        from tools.doc_sections import write_section
+        write_section(docs / "BENCHMARKS.md", "flextp-loss", "FlexTP: loss over seeds",
+                      loss_doc_text(args, table, summary, load))
 
 
 def onoff_table(onoff: dict) -> str:
@@ -290,11 +404,15 @@ for 6 iterations.
 
 ### What is and is not integrated
 
-FlexTP runs in its own trainer (`megatron/flextp/train.py`, `torchrun -m megatron.flextp.train \
---tp-balance semi`): real GEMMs, real gloo all-reduces, real AdamW (FlexAdamW with fp32 master \
-copies), timings measured by the ranks themselves. It is not wired into `pretrain_gpt.py`: the \
-megatron-core GPT there keeps equal TP shards, and FlexTP has not been composed with PP, DP or the \
-dynamic micro-batches."""
+The figures above come from the small FlexTP trainer (`megatron/flextp/train.py`, `torchrun -m \
+megatron.flextp.train --tp-balance semi`): real GEMMs, real gloo all-reduces, real AdamW \
+(FlexAdamW with fp32 master copies), timings measured by the ranks themselves. The same policies \
+also run in `pretrain_gpt.py --tp-balance {{resize,migrate,semi}}` \
+(`megatron/flextp/stage_layers.py`, `stage_balance.py`): the megatron-core GPT layers keep their \
+TP units in fixed-size slots (up to twice the even share), composed with PP, DP and the dynamic \
+micro-batches; tests at TP=2 x PP=2 and TP=2 x DP=2 (`tests/test_flextp_integration.py`) show \
+migration training like even TP within fp32 tolerance. Not measured here on the main trainer; no \
+`--save` / `--load` with `--tp-balance` yet."""
 
 
 if __name__ == "__main__":

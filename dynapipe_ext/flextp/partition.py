@@ -59,18 +59,21 @@ def even_partition(num_units: int, tp: int) -> Partition:
     return partition_from_counts([num_units // tp] * tp)
 
 
-def proportional_counts(num_units: int, speeds, min_units: int = 1) -> tuple[int, ...]:
-    """Units per rank, each rank >= min_units, that minimise the slowest rank's time
-    (units / speed): each unit goes where it finishes first (ties: the lower rank)."""
+def proportional_counts(num_units: int, speeds, min_units: int = 1,
+                        max_units: int | None = None) -> tuple[int, ...]:
+    """Units per rank, each rank in [min_units, max_units], that minimise the slowest rank's
+    time (units / speed): each unit goes where it finishes first (ties: the lower rank)."""
     speeds = [float(s) for s in speeds]
     if not speeds or any(s <= 0 for s in speeds):
         raise ValueError(f"proportional_counts: speeds must be positive, got {speeds}")
-    if num_units < min_units * len(speeds):
+    top = num_units if max_units is None else max_units
+    if not min_units * len(speeds) <= num_units <= top * len(speeds):
         raise ValueError(f"proportional_counts: {num_units} units cannot give {len(speeds)} "
-                         f"ranks {min_units} each")
+                         f"ranks between {min_units} and {top} each")
     counts = [min_units] * len(speeds)
     for _ in range(num_units - min_units * len(speeds)):
-        r = min(range(len(speeds)), key=lambda i: ((counts[i] + 1) / speeds[i], i))
+        room = [i for i in range(len(speeds)) if counts[i] < top]
+        r = min(room, key=lambda i: ((counts[i] + 1) / speeds[i], i))
         counts[r] += 1
     return tuple(counts)
 

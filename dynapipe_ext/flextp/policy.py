@@ -40,6 +40,21 @@ class BalanceCosts:
     min_gain: float = 0.05       # migrate only for at least this share off the step time
 
 
+def parse_speeds(text: str | None, tp: int) -> tuple[float, ...] | None:
+    """--flextp-initial-speeds "1,0.5": one positive relative speed per TP rank (None: none)."""
+    if not text:
+        return None
+    try:
+        speeds = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--flextp-initial-speeds {text!r}: expected comma-separated "
+                         f"numbers, e.g. 1,0.5") from None
+    if len(speeds) != tp or any(not s > 0 for s in speeds):
+        raise ValueError(f"--flextp-initial-speeds {text!r}: need {tp} positive numbers, one "
+                         f"per TP rank")
+    return speeds
+
+
 def step_time(counts, drops, speeds, unit_seconds: float) -> float:
     return max((c - d) * unit_seconds / s for c, d, s in zip(counts, drops, speeds))
 

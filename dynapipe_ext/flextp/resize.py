@@ -1,7 +1,8 @@
 """ZERO-resizing: a straggler skips a bounded number of its units for a while (no data moves).
 
 Priority: the units with the smallest weight norm go first (their output is the smallest by the
-norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least). Imputation is
+norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least), except that a
+unit skipped in one interval is computed in the next when others can be skipped instead. Imputation is
 done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
 contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
 value. The bound `max_fraction` caps the share of a rank's units that may be skipped."""
@@ -27,12 +28,17 @@ def drop_counts(counts, speeds, max_fraction: float) -> tuple[int, ...]:
                  for c, s in zip(counts, speeds))
 
 
-def choose_drops(units, norms, n_drop: int) -> tuple[int, ...]:
-    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending."""
+def choose_drops(units, norms, n_drop: int, rested=()) -> tuple[int, ...]:
+    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending; units in
+    `rested` (skipped in the interval before) come last, so no unit is skipped two intervals
+    in a row unless there are too few others: a skipped unit gets no gradient and its imputed
+    contribution is only refreshed when it is computed, so a sticky choice (the smallest stay
+    the smallest, as they stop learning) would impute from ever older values."""
     units = list(units)
     if len(norms) != len(units):
         raise ValueError(f"choose_drops: {len(units)} units but {len(norms)} norms")
     if not 0 <= n_drop < len(units):
         raise ValueError(f"choose_drops: cannot drop {n_drop} of {len(units)} units")
-    order = sorted(range(len(units)), key=lambda i: (norms[i], units[i]))
+    rested = set(rested)
+    order = sorted(range(len(units)), key=lambda i: (units[i] in rested, norms[i], units[i]))
     return tuple(sorted(units[i] for i in order[:n_drop]))

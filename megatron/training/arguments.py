@@ -128,6 +128,15 @@ class TrainConfig:
     kv_channels: int = 0                        # --kv-channels; 0: hidden / heads
     vocab_extra_ids: int | None = None          # T5SentencePieceTokenizer sentinels (None: 100)
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE  # padded vocabulary: this x TP
+    # FlexTP straggler handling (megatron/flextp/stage_balance.py)
+    tp_balance: str = "off"                     # --tp-balance: off, resize, migrate, semi
+    flextp_interval: int = 10
+    flextp_max_drop_fraction: float = 0.25
+    flextp_accuracy_weight: float = 1.0
+    flextp_min_horizon: int = 20
+    flextp_patience: int = 6
+    flextp_ffn_unit: int = 0                    # 0: ffn / (16 x TP)
+    flextp_initial_speeds: str | None = None
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -293,6 +302,34 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         need(value is None or value >= 0, f"--{flag(name)} must be >= 0, got {value}")
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
+    return problems + flextp_problems(cfg)
+
+
+def flextp_problems(cfg: TrainConfig) -> list[str]:
+    """What --tp-balance and the --flextp-* flags cannot do (empty when fine)."""
+    from dynapipe_ext.flextp.policy import MODES, parse_speeds
+    if cfg.tp_balance not in MODES:
+        return [f"--tp-balance must be one of {', '.join(MODES)}, got {cfg.tp_balance!r}"]
+    if cfg.tp_balance == "off":
+        return []
+    checks = [(cfg.tensor_model_parallel_size >= 2, "needs --tensor-model-parallel-size >= 2"),
+              (cfg.model == "gpt", "supports GPT models only (pretrain_gpt.py)"),
+              (not cfg.gated_linear_unit, "does not support --gated-gelu"),
+              (not (cfg.save or cfg.load), "cannot --save or --load yet (uneven shards are not "
+               "checkpointed)"),
+              (cfg.flextp_interval >= 1, "needs --flextp-interval >= 1"),
+              (cfg.flextp_patience >= 1, "needs --flextp-patience >= 1"),
+              (cfg.flextp_ffn_unit >= 0, "needs --flextp-ffn-unit >= 0"),
+              (0 <= cfg.flextp_max_drop_fraction < 1, "needs 0 <= --flextp-max-drop-fraction "
+               "< 1")]
+    problems = [f"--tp-balance {cfg.tp_balance} {why}" for ok, why in checks if not ok]
+    if cfg.flextp_initial_speeds:
+        if cfg.tp_balance not in ("migrate", "semi"):
+            problems.append("--flextp-initial-speeds needs --tp-balance migrate or semi")
+        try:
+            parse_speeds(cfg.flextp_initial_speeds, cfg.tensor_model_parallel_size)
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -434,6 +471,27 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=None,
                    help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
 
+    g = p.add_argument_group("FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)")
+    g.add_argument("--tp-balance", choices=("off", "resize", "migrate", "semi"), default="off",
+                   help="balance tensor-parallel work when a TP rank is slower: resize (skip "
+                        "some of its units, imputed), migrate (move units and their Adam state "
+                        "to faster ranks), semi (a cost model picks per interval); off: even TP")
+    g.add_argument("--flextp-interval", type=int, default=10,
+                   help="iterations between balancing decisions")
+    g.add_argument("--flextp-max-drop-fraction", type=float, default=0.25,
+                   help="resize bound: share of a rank's units it may skip")
+    g.add_argument("--flextp-accuracy-weight", type=float, default=1.0,
+                   help="semi: iterations of cost charged per fraction of units skipped")
+    g.add_argument("--flextp-min-horizon", type=int, default=20,
+                   help="semi: iterations an imbalance is assumed to last at least")
+    g.add_argument("--flextp-patience", type=int, default=6,
+                   help="measurements in a row that must agree before a rank is (no longer) "
+                        "a straggler")
+    g.add_argument("--flextp-ffn-unit", type=int, default=0,
+                   help="ffn columns per MLP unit (what FlexTP moves or skips); 0: ffn / (16 TP)")
+    g.add_argument("--flextp-initial-speeds", default=None,
+                   help="relative speed of each TP rank known up front, e.g. 1,0.5: migrate "
+                        "and semi start from the partition proportional to them")
     g = p.add_argument_group("batches and planning")
     batch = g.add_mutually_exclusive_group()
     batch.add_argument("--tokens-per-global-batch", type=int, default=None, help=TOKENS_HELP)
@@ -707,7 +765,12 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         relative_attention_num_buckets=args.relative_attention_num_buckets,
         relative_attention_max_distance=args.relative_attention_max_distance,
         vocab_extra_ids=args.vocab_extra_ids,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tp_balance=args.tp_balance, flextp_interval=args.flextp_interval,
+        flextp_max_drop_fraction=args.flextp_max_drop_fraction,
+        flextp_accuracy_weight=args.flextp_accuracy_weight,
+        flextp_min_horizon=args.flextp_min_horizon, flextp_patience=args.flextp_patience,
+        flextp_ffn_unit=args.flextp_ffn_unit, flextp_initial_speeds=args.flextp_initial_speeds)
 
 
 def config_field_names() -> list[str]:

@@ -332,6 +332,7 @@ class TrainingRun:
     logger: TrainLogger
     start_iteration: int
     evaluator: Evaluator | None = None     # --eval-interval: validation between iterations
+    flextp: object | None = None           # --tp-balance: stage_balance.StageBalancer
 
     @property
     def modules(self) -> list:
@@ -373,6 +374,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     stages = build_stages(cfg, spec, layout, stage_to_rank)
+    flextp = None
+    if cfg.tp_balance != "off":    # uneven TP slots; before the gradient buffer sees shapes
+        from megatron.flextp.stage_balance import build_balancer
+        flextp = build_balancer(cfg, stages, layout, verbose)
     tied_group = replica_groups(spec, stage_to_rank, not cfg.untie_embeddings_and_output_weights,
                                 cfg.distributed_timeout_minutes * 60)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
@@ -380,6 +385,8 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                              tied_group=tied_group)
     optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
                                parallel_state.get_model_parallel_group(), grad_buffer)
+    if flextp is not None:
+        flextp.optimizer = optimizer       # migration moves its main copies and moments
     start = 0
     if cfg.load:
         start = agree_on_start(resume(cfg, data, stages, optimizer, layout), cfg.load, layout)
@@ -417,7 +424,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         evaluator = Evaluator(valid, dataclasses.replace(plan_cfg, forward_only=True),
                               cfg.eval_interval, cfg.eval_iters, cfg.train_iters)
     return TrainingRun(cfg, data, layout, spec, stage_to_rank, stages, optimizer, handlers,
-                       Executor(handlers), plans, logger, start, evaluator)
+                       Executor(handlers), plans, logger, start, evaluator, flextp)
 
 
 def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -> int:
@@ -500,11 +507,15 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
                                      keys),
         global_loss_tokens, micro_batch_order(plan))
     run.optimizer.grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
+    if run.flextp is not None:
+        run.flextp.begin()
     run.executor.run(plan)
     run.handlers.runtime.check_drained()
     all_reduce_data_parallel_grads(run.optimizer.grad_buffer)
     loss, _ = global_mean_loss(run.handlers.runtime)
     step = run.optimizer.step(iteration)
+    if run.flextp is not None:     # measure, detect, rebalance at the iteration boundary
+        run.flextp.end(iteration)
     slots, count = replica_totals(micro_batches, layout)
     return IterationStats(
         iteration=iteration + 1, train_iters=cfg.train_iters, loss=loss, lr=step["lr"],
@@ -537,6 +548,9 @@ def save(run: TrainingRun, iterations_done: int) -> None:
 def evaluate_or_fail(run: TrainingRun, iterations_done: int):
     """Validation after `iterations_done` iterations (ValidationStats), or TrainingFailed."""
     try:
+        if run.flextp is not None:     # the whole model, not the resized one
+            with run.flextp.all_units():
+                return run.evaluator.evaluate(run, iterations_done)
         return run.evaluator.evaluate(run, iterations_done)
     except Exception as err:
         raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "

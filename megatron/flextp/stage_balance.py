@@ -1,0 +1,194 @@
+"""FlexTP in the main training loop (`--tp-balance` of pretrain_gpt.py): measure, detect,
+decide and apply at iteration boundaries, composed with PP, DP and dynamic micro-batches.
+
+Each iteration every rank reports the TP compute seconds and work its FlexPairs measured
+(megatron/flextp/stage_layers.py; work = tokens x units x MACs, so variable micro-batch shapes
+compare) in one float64 all-reduce over the whole world. A pipeline stage's decision uses the
+figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
+replicas (a slow replica holds the DP all-reduce of all of them). Every rank of a stage thus
+feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
+decision; the replicas of a stage keep one partition, so their gradients still add up slot by
+slot. Migration runs within each TP group (point-to-point); resizing skips the smallest-norm units
+of each layer (the replicas hold equal weights, so they pick the same ones)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from dynapipe_ext.flextp.detector import StragglerDetector
+from dynapipe_ext.flextp.partition import proportional_counts, rebalance
+from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
+from dynapipe_ext.flextp.resize import choose_drops, max_drops
+from megatron.flextp.balance import measure_bandwidth
+from megatron.flextp.layers import slowdown_factor
+from megatron.flextp.stage_layers import FlexPair, convert_stages, migrate_pairs
+
+
+def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
+    """Per TP rank index of pipeline rank `pp_rank`: (seconds, work) of its slowest replica.
+    `table` rows are (pp rank, tp rank, seconds, work, tokens), one per world rank."""
+    times, work = [0.0] * tp, [0.0] * tp
+    for pp, t, seconds, done, _ in table.tolist():
+        if int(pp) != pp_rank or seconds <= 0 or done <= 0:
+            continue
+        t = int(t)
+        if work[t] == 0 or done / seconds < work[t] / times[t]:
+            times[t], work[t] = seconds, done
+    return times, work
+
+
+class StageBalancer:
+    """The `--tp-balance` loop of one rank (see the module docstring)."""
+
+    def __init__(self, pairs: dict[str, list[FlexPair]], mode: str, layout, group,
+                 interval: int = 10, max_fraction: float = 0.25, accuracy_weight: float = 1.0,
+                 min_horizon: int = 20, patience: int = 6, warmup_iters: int = 3,
+                 verbose: bool = False):
+        self.pairs, self.mode, self.layout, self.group = pairs, mode, layout, group
+        self.tp = layout.tp
+        self.interval, self.max_fraction = interval, max_fraction
+        self.accuracy_weight, self.min_horizon = accuracy_weight, min_horizon
+        self.detector = StragglerDetector(self.tp, patience=patience)
+        self.warmup_iters, self.verbose = warmup_iters, verbose
+        self.optimizer = None
+        self.observed, self.lasted = 0, 0
+        self._interval_rows: list = []
+        self.history: list[dict] = []
+        # units each TP rank skips per layer, by kind (every rank of the stage knows them)
+        self.skips = {k: [0] * self.tp for k in pairs}
+        self.bandwidth = 1.0
+        if mode == "semi":   # one figure for every rank, so every replica decides alike
+            bw = torch.tensor([measure_bandwidth(group)], dtype=torch.float64)
+            dist.all_reduce(bw, op=dist.ReduceOp.MIN)
+            self.bandwidth = float(bw)
+
+    def counts(self) -> dict[str, list[int]]:
+        return {k: list(ps[0].partition.counts()) for k, ps in self.pairs.items() if ps}
+
+    def start_uneven(self, speeds) -> None:
+        """Before training: the partition proportional to known relative speeds (no optimizer
+        state yet, so only the weights move)."""
+        for kind, ps in self.pairs.items():
+            if ps:
+                part = ps[0].partition
+                target = proportional_counts(part.num_units, speeds, max_units=ps[0].capacity)
+                migrate_pairs(ps, None, rebalance(part, target), self.group)
+
+    @contextlib.contextmanager
+    def all_units(self):
+        """Every unit computed inside the block (validation measures the whole model, not the
+        resized one); the skips come back after it."""
+        saved = [(p, p.drops) for ps in self.pairs.values() for p in ps]
+        for p, _ in saved:
+            p.set_drops(())
+        try:
+            yield
+        finally:
+            for p, drops in saved:
+                p.set_drops(drops)
+
+    def begin(self) -> None:
+        """Start of an iteration: clear the pairs' timers."""
+        for ps in self.pairs.values():
+            for p in ps:
+                p.reset_timer()
+
+    def end(self, iteration: int) -> dict:
+        """End of an iteration (after the optimizer step): share the figures, feed the detector,
+        decide at interval ends. Collective over the world."""
+        mine = [p for ps in self.pairs.values() for p in ps]
+        row = torch.zeros(self.layout.world_size, 5, dtype=torch.float64)
+        row[self.layout.rank] = torch.tensor([self.layout.pp_rank, self.layout.tp_rank,
+                                              sum(p.seconds for p in mine),
+                                              sum(p.work for p in mine),
+                                              max((p.tokens for p in mine), default=0.0)],
+                                             dtype=torch.float64)
+        dist.all_reduce(row)
+        times, work = stage_figures(row, self.layout.pp_rank, self.tp)
+        record = {"iteration": iteration, "times": times, "work": work, "action": None}
+        if all(t > 0 for t in times) and all(w > 0 for w in work):
+            changed = (self.observed >= self.warmup_iters
+                       and self.detector.update(times, work))
+            self.lasted = 0 if changed else self.lasted + 1
+            self.observed += 1
+            self._interval_rows.append((times, work, float(row[self.layout.rank, 4])))
+        record["stragglers"] = sorted(self.detector.stragglers)
+        if self.observed and self.observed % self.interval == 0 and self._interval_rows:
+            record.update(self._decide())
+            self._interval_rows = []
+        record.update(counts=self.counts(),
+                      drops={k: [len(p.drops) for p in ps] for k, ps in self.pairs.items()})
+        record["skips"] = {k: list(v) for k, v in self.skips.items()}
+        before = self.history[-1] if self.history else record
+        self.history.append(record)
+        if self.verbose and (record["counts"], record["skips"]) != (before["counts"],
+                                                                    before["skips"]):
+            print(f"[flextp] iteration {iteration + 1} (pipeline rank {self.layout.pp_rank}): "
+                  f"{record['action']}; units per TP rank {record['counts']}, skipped per "
+                  f"layer {record['skips']}; stragglers (TP ranks) {record['stragglers']}",
+                  flush=True)
+        return record
+
+    def _decide(self) -> dict:
+        speeds = self.detector.relative_speeds()
+        fast = max(range(self.tp), key=lambda r: speeds[r])
+        rows = self._interval_rows
+        sec_per_work = sum(t[fast] for t, _, _ in rows) / sum(w[fast] for _, w, _ in rows)
+        tokens = sum(n for _, _, n in rows) / len(rows)
+        actions = {}
+        for kind, ps in self.pairs.items():
+            if not ps:
+                continue
+            numel = sum(param.numel() // param.shape[axis] * per
+                        for param, axis, per in ps[0].sharded())
+            costs = BalanceCosts(
+                unit_seconds=ps[0].unit_macs() * tokens * len(ps) * sec_per_work,
+                bytes_per_unit=numel * 4 * 4 * len(ps),   # weight, main, 2 moments in fp32
+                bandwidth=self.bandwidth, accuracy_weight=self.accuracy_weight,
+                max_fraction=self.max_fraction, min_horizon=self.min_horizon)
+            part = ps[0].partition
+            cap = ps[0].capacity
+            decision = decide(self.mode, part.counts(), speeds, self.lasted, costs)
+            counts = decision.counts
+            if decision.action == "migrate" and max(counts) > cap:
+                counts = proportional_counts(part.num_units, speeds, max_units=cap)
+            if decision.action == "migrate" and counts != part.counts():
+                migrate_pairs(ps, self.optimizer, rebalance(part, counts), self.group)
+            rank_drops = decision.drops[self.layout.tp_rank]
+            for p in ps:
+                n = min(rank_drops, max_drops(len(p.units()), self.max_fraction))
+                p.set_drops(choose_drops(p.units(), p.unit_norms(), n, p.drops) if n else ())
+            self.skips[kind] = [min(d, max_drops(c, self.max_fraction))
+                                for d, c in zip(decision.drops, decision.counts)]
+            actions[kind] = decision.action
+        return {"action": actions, "speeds": list(speeds)}
+
+
+def default_ffn_unit(ffn: int, tp: int) -> int:
+    """ffn columns per MLP unit: 16 units per TP rank, or fewer where ffn does not split so."""
+    for per_rank in range(16, 0, -1):
+        if ffn % (per_rank * tp) == 0:
+            return ffn // (per_rank * tp)
+    raise ValueError(f"--ffn-hidden-size {ffn} does not split over TP={tp}")
+
+
+def build_balancer(cfg, stages, layout, verbose: bool = True) -> StageBalancer:
+    """Convert this rank's stages to FlexTP slots and make the run's balancer (before the
+    gradient buffer and optimizer exist; set `.optimizer` once they do). Collective."""
+    from megatron.core import parallel_state
+    ffn_unit = cfg.flextp_ffn_unit or default_ffn_unit(cfg.ffn_hidden_size, layout.tp)
+    pairs = convert_stages(stages, layout.tp, layout.tp_rank, ffn_unit,
+                           slowdown_factor(layout.tp_rank))
+    balancer = StageBalancer(pairs, cfg.tp_balance, layout,
+                             parallel_state.get_tensor_model_parallel_group(),
+                             interval=cfg.flextp_interval,
+                             max_fraction=cfg.flextp_max_drop_fraction,
+                             accuracy_weight=cfg.flextp_accuracy_weight,
+                             min_horizon=cfg.flextp_min_horizon, patience=cfg.flextp_patience,
+                             verbose=verbose and layout.rank == 0)
+    speeds = parse_speeds(cfg.flextp_initial_speeds, layout.tp)
+    if speeds is not None:
+        balancer.start_uneven(speeds)
+    return balancer

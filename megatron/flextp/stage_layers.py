@@ -1,0 +1,343 @@
+"""FlexTP in the main model: uneven TP partitions of the megatron-core layers that
+megatron/model/stages.py builds (`pretrain_gpt.py --tp-balance ...`).
+
+`convert_stages` swaps each GPT layer's four TP linears (attention linear_qkv / linear_proj, MLP
+linear_fc1 / linear_fc2) for `SlotColumn` / `SlotRow`, which keep the same parameter names and
+call contract ((output, bias), megatron-core's TP mappings for the collectives). A pair of them
+is one `FlexPair`: its units (heads; groups of `ffn_unit` ffn columns) sit in fixed-size *slots*,
+`capacity` units per rank, of which the first len(units) are used, in ascending unit order. The
+shapes of the parameters, their fp32 main gradients and their Adam moments therefore never
+change, so GradBuffer, TrainOptimizer, clipping and the DP all-reduce run untouched; migration
+(`migrate_pairs`) copies slot contents (weights, fp32 main copies, both Adam moments) between
+the TP ranks and zeroes the slots it empties (zero weight, gradient and moments: AdamW leaves
+them at zero). The price is memory: capacity is twice the even share (at most all units but one
+per other rank), so the TP-split weights and their optimizer state take up to twice the space.
+
+ZERO-resizing: a pair may skip some of its units (`FlexPair.drops`); the column output then has
+fewer units (attention: fewer heads, the module's per-partition head counts follow), and the row
+linear adds each skipped unit's last computed token-mean contribution (imputation) before the
+all-reduce, whose shape stays [s, b, hidden].
+
+Timing: each pair measures the wall time from its column input to its row all-reduce (the TP
+compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
+what the straggler detector needs; on CUDA both ends synchronise. FLEXTP_SLOWDOWN=RANK:FACTOR
+(megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler).
+Restrictions, checked in `convert_stages`: GPT layers, no gated MLP, no grouped-query attention.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
+
+from dynapipe_ext.flextp.partition import Partition, even_partition
+from megatron.flextp.layers import COMM
+
+KINDS = ("attn", "mlp")
+
+
+def capacity(num_units: int, tp: int) -> int:
+    """Slots per rank: twice the even share, at most what leaves one unit to every other rank."""
+    return min(2 * num_units // tp, num_units - (tp - 1))
+
+
+class FlexPair:
+    """One column + row linear pair of one layer on one TP rank: which units it holds (slots
+    0..n-1, ascending), which it skips, its imputation state and its compute timer."""
+
+    def __init__(self, kind: str, partition: Partition, rank: int, cap: int, col_rows: int,
+                 row_cols: int, hidden: int, slowdown: int = 1, attention=None):
+        self.kind, self.partition, self.rank, self.capacity = kind, partition, rank, cap
+        self.col_rows, self.row_cols, self.hidden = col_rows, row_cols, hidden
+        self.slowdown, self.attention = slowdown, attention
+        self.drops: tuple[int, ...] = ()
+        self.column = self.row = None          # set by convert_stages
+        self.contrib = torch.zeros(cap, hidden)  # per slot: last token-mean output (imputation)
+        self.seconds = self.work = self.tokens = 0.0
+        self._start = None
+        self._refresh()
+
+    def units(self) -> tuple[int, ...]:
+        return self.partition.units_of(self.rank)
+
+    def computed_slots(self) -> list[int]:
+        return [i for i, u in enumerate(self.units()) if u not in self.drops]
+
+    def unit_macs(self) -> int:
+        """Multiply-adds of one unit per token."""
+        return (self.col_rows + self.row_cols) * self.hidden
+
+    def _refresh(self) -> None:
+        n = len(self.units())
+        if n > self.capacity:
+            raise ValueError(f"FlexTP: rank {self.rank} would hold {n} {self.kind} units, "
+                             f"capacity is {self.capacity}")
+        slots = self.computed_slots()
+        self._all = len(slots) == n
+        self._index = torch.tensor(slots, dtype=torch.long)
+        if self.attention is not None:   # megatron-core reshapes q/k/v by these counts
+            self.attention.num_attention_heads_per_partition = len(slots)
+            self.attention.num_query_groups_per_partition = len(slots)
+
+    def set_drops(self, units) -> None:
+        """Skip these of this rank's units until the next call (ZERO-resizing)."""
+        mine = self.units()
+        bad = sorted(set(units) - set(mine))
+        if bad:
+            raise ValueError(f"set_drops: units {bad} are not on rank {self.rank} ({mine})")
+        if len(set(units)) >= len(mine):
+            raise ValueError(f"set_drops: rank {self.rank} must keep at least one unit")
+        self.drops = tuple(sorted(set(units)))
+        self._refresh()
+
+    def set_partition(self, partition: Partition) -> None:
+        """After migration moved the slots: new ownership, no skips, fresh imputation."""
+        self.partition, self.drops = partition, ()
+        self.contrib.zero_()
+        self._refresh()
+
+    def unit_norms(self) -> list[float]:
+        """Priority of each held unit: |its column rows| x |its row columns|."""
+        n = len(self.units())
+        with torch.no_grad():
+            col = self.column.weight[:n * self.col_rows].reshape(n, -1).float().norm(dim=1)
+            row = self.row.weight[:, :n * self.row_cols].reshape(self.hidden, n, -1)
+            return (col * row.float().norm(dim=(0, 2))).tolist()
+
+    def sharded(self):
+        """(parameter, slot axis, entries per unit) of every slotted tensor."""
+        out = [(self.column.weight, 0, self.col_rows), (self.row.weight, 1, self.row_cols)]
+        if self.column.bias is not None:
+            out.append((self.column.bias, 0, self.col_rows))
+        return out
+
+    def take(self, t: torch.Tensor, axis: int, per: int) -> torch.Tensor:
+        """The computed slots of `t` (a view when nothing is skipped)."""
+        if self._all:
+            return t.narrow(axis, 0, len(self.units()) * per)
+        rows = (self._index[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+        return t.index_select(axis, rows.to(t.device))
+
+    # timer ----------------------------------------------------------------------------
+    def _now(self, device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def start(self, x: torch.Tensor) -> None:
+        self._start = self._now(x.device)
+
+    def stop(self, partial: torch.Tensor) -> None:
+        if self._start is None:
+            return
+        self.seconds += self._now(partial.device) - self._start
+        tokens = partial.numel() // partial.shape[-1]
+        self.tokens += tokens
+        self.work += tokens * len(self.computed_slots()) * self.unit_macs()
+        self._start = None
+
+    def reset_timer(self) -> None:
+        self.seconds = self.work = self.tokens = 0.0
+
+
+class SlotColumn(torch.nn.Module):
+    """Column-parallel linear over a pair's computed slots; returns (output, bias) like
+    megatron-core's ColumnParallelLinear (bias added here unless `skip_bias_add`)."""
+
+    def __init__(self, pair: FlexPair, weight, bias, skip_bias_add: bool):
+        super().__init__()
+        self.pair, self.skip_bias_add = pair, skip_bias_add
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor):
+        pair = self.pair
+        pair.start(x)
+        x = copy_to_tensor_model_parallel_region(x)
+        w = pair.take(self.weight, 0, pair.col_rows)
+        b = None if self.bias is None else pair.take(self.bias, 0, pair.col_rows)
+        out = F.linear(x, w, None if self.skip_bias_add else b)
+        _burn(pair.slowdown, out, lambda: F.linear(x.detach(), w.detach()))
+        return (out, b) if self.skip_bias_add else (out, None)
+
+
+class SlotRow(torch.nn.Module):
+    """Row-parallel linear over a pair's computed slots plus the imputed skipped units, then
+    the TP all-reduce; the bias is replicated. Returns (output, bias) like RowParallelLinear."""
+
+    def __init__(self, pair: FlexPair, weight, bias, skip_bias_add: bool):
+        super().__init__()
+        self.pair, self.skip_bias_add = pair, skip_bias_add
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, inner: torch.Tensor):
+        pair = self.pair
+        w = pair.take(self.weight, 1, pair.row_cols)
+        partial = F.linear(inner, w)
+        _burn(pair.slowdown, partial, lambda: F.linear(inner.detach(), w.detach()))
+        slots = pair.computed_slots()
+        with torch.no_grad():
+            mean = inner.detach().reshape(-1, len(slots), pair.row_cols).float().mean(0)
+            pair.contrib[slots] = torch.einsum(
+                "kc,hkc->kh", mean, w.detach().float().reshape(pair.hidden, len(slots),
+                                                                pair.row_cols)).cpu()
+        if len(slots) < len(pair.units()):
+            skipped = [i for i in range(len(pair.units())) if i not in slots]
+            partial = partial + pair.contrib[skipped].sum(0).to(partial.device, partial.dtype)
+        pair.stop(partial)
+        if COMM["shapes"] is not None:
+            COMM["shapes"].append((tuple(inner.shape[:-1]), tuple(partial.shape)))
+        out = reduce_from_tensor_model_parallel_region(partial)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out if self.bias is None else out + self.bias), None
+
+
+def _burn(factor: int, out: torch.Tensor, once) -> None:
+    """The slow-down switch: redo a GEMM factor - 1 times now and 2 (factor - 1) times in
+    backward (the extra results are discarded)."""
+    if factor <= 1:
+        return
+    with torch.no_grad():
+        for _ in range(factor - 1):
+            once()
+
+    def in_backward(grad):
+        with torch.no_grad():
+            for _ in range(2 * (factor - 1)):
+                once()
+    if out.requires_grad:
+        out.register_hook(in_backward)
+
+
+def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.nn.Parameter:
+    """A parameter of `cap` slots along `axis` holding `param` in its first slots, zeros after,
+    with the attributes megatron set on `param` (tensor_model_parallel, partition_dim, ...)."""
+    shape = list(param.shape)
+    shape[axis] = cap * per
+    data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    data.narrow(axis, 0, param.shape[axis]).copy_(param.detach())
+    fresh = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+    for name, value in vars(param).items():
+        setattr(fresh, name, value)
+    return fresh
+
+
+def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int = 1
+                   ) -> dict[str, list[FlexPair]]:
+    """Swap the TP linears of every GPT layer of this rank's stage modules (stage index ->
+    StageModule, weights already set) for slot linears; returns the pairs by kind. Call before
+    the gradient buffer and optimizer are built."""
+    pairs: dict[str, list[FlexPair]] = {k: [] for k in KINDS}
+    for s in sorted(stages):
+        module = stages[s]
+        if module.spec.model != "gpt":
+            raise ValueError("--tp-balance: FlexTP supports GPT models only")
+        if module.decoder is None:
+            continue
+        cfg = module.config
+        if cfg.gated_linear_unit:
+            raise ValueError("--tp-balance: a gated MLP (--gated-gelu) is not supported")
+        if cfg.num_query_groups != cfg.num_attention_heads:
+            raise ValueError("--tp-balance: grouped-query attention is not supported")
+        hidden, heads, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size
+        if ffn % ffn_unit or (ffn // ffn_unit) % tp:
+            raise ValueError(f"--flextp-ffn-unit {ffn_unit}: --ffn-hidden-size {ffn} must "
+                             f"split into units of that many columns, a multiple of TP={tp}")
+        head_dim = cfg.kv_channels
+        for layer in module.decoder.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            specs = (("attn", att, "linear_qkv", "linear_proj", heads, 3 * head_dim, head_dim,
+                      att),
+                     ("mlp", mlp, "linear_fc1", "linear_fc2", ffn // ffn_unit, ffn_unit,
+                      ffn_unit, None))
+            for kind, owner, col_name, row_name, n_units, rows, cols, attention in specs:
+                col, row = getattr(owner, col_name), getattr(owner, row_name)
+                cap = capacity(n_units, tp)
+                pair = FlexPair(kind, even_partition(n_units, tp), tp_rank, cap, rows, cols,
+                                hidden, slowdown, attention)
+                pair.column = SlotColumn(pair, _slotted(col.weight, 0, rows, cap),
+                                         None if col.bias is None
+                                         else _slotted(col.bias, 0, rows, cap),
+                                         col.skip_bias_add)
+                pair.row = SlotRow(pair, _slotted(row.weight, 1, cols, cap), row.bias,
+                                   row.skip_bias_add)
+                setattr(owner, col_name, pair.column)
+                setattr(owner, row_name, pair.row)
+                pairs[kind].append(pair)
+    return pairs
+
+
+# ---------------------------------------------------------------------------- migration
+
+def optimizer_fields(optimizer, param) -> list[torch.Tensor]:
+    """The tensors of `param` migration moves besides the weight: the fp32 main copy (when
+    it is not the weight itself) and Adam's two moments (once the first step made them)."""
+    if optimizer is None:
+        return []
+    i = next(k for k, p in enumerate(optimizer.model_params) if p is param)
+    main = optimizer.main_params[i]
+    out = [] if main.data_ptr() == param.data_ptr() else [main.detach()]
+    state = optimizer.adam.state.get(main)
+    if state:
+        out += [state["exp_avg"], state["exp_avg_sq"]]
+    return out
+
+
+def _units_slice(t: torch.Tensor, axis: int, per: int, slots) -> torch.Tensor:
+    rows = (torch.tensor(slots, dtype=torch.long)[:, None] * per
+            + torch.arange(per)[None, :]).reshape(-1)
+    return t.index_select(axis, rows.to(t.device))
+
+
+def migrate_pairs(pairs: list[FlexPair], optimizer, new: Partition, group) -> int:
+    """Move units between the TP ranks so `pairs` (one kind, one shared partition) follow
+    `new`: every slotted tensor and its optimizer fields, in place. Each (sender, receiver)
+    pair of ranks exchanges one flat fp32 buffer, pairs in a fixed order (blocking send/recv).
+    Returns the bytes this rank sent. Call on every rank of the TP group alike."""
+    if not pairs:
+        return 0
+    old, rank = pairs[0].partition, pairs[0].rank
+    if any(p.partition != old for p in pairs):
+        raise ValueError("migrate_pairs: the pairs must share one partition")
+    moves = old.moves_to(new)
+    mine_old, mine_new = old.units_of(rank), new.units_of(rank)
+    tensors = [(t, axis, per) for p in pairs for param, axis, per in p.sharded()
+               for t in [param.detach()] + optimizer_fields(optimizer, param)]
+    received: dict[int, list] = {}
+    sent = 0
+    for src, dst in sorted({(a, b) for _, a, b in moves}):
+        units = [u for u, a, b in moves if (a, b) == (src, dst)]
+        if rank == src:
+            slots = [mine_old.index(u) for u in units]
+            buf = torch.cat([_units_slice(t, axis, per, slots).float().movedim(axis, 0)
+                             .reshape(-1) for t, axis, per in tensors])
+            dist.send(buf, dst=dist.get_global_rank(group, dst), group=group)
+            sent += buf.numel() * 4
+        elif rank == dst:
+            sizes = [len(units) * t.numel() // t.shape[axis] * per for t, axis, per in tensors]
+            buf = torch.empty(sum(sizes), device=tensors[0][0].device)
+            dist.recv(buf, src=dist.get_global_rank(group, src), group=group)
+            for k, ((t, axis, per), chunk) in enumerate(zip(tensors, buf.split(sizes))):
+                shape = list(t.shape)
+                shape[axis] = per
+                shape.insert(0, shape.pop(axis))
+                per_unit = chunk.reshape(len(units), *shape)
+                for j, u in enumerate(units):
+                    received.setdefault(u, {})[k] = per_unit[j].movedim(0, axis)
+    with torch.no_grad():
+        for k, (t, axis, per) in enumerate(tensors):
+            pieces = [(_units_slice(t, axis, per, [mine_old.index(u)]) if u in mine_old
+                       else received[u][k].to(t.device, t.dtype)) for u in mine_new]
+            filled = torch.cat(pieces, dim=axis)
+            t.narrow(axis, 0, len(mine_new) * per).copy_(filled)
+            t.narrow(axis, len(mine_new) * per, t.shape[axis] - len(mine_new) * per).zero_()
+    for p in pairs:
+        p.set_partition(new)
+    return sent
+

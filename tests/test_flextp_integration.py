@@ -1,0 +1,164 @@
+"""FlexTP in the main trainer (pretrain_gpt.py --tp-balance): TP=2 x PP=2 on gloo with dynamic
+micro-batches. Migration (a forced uneven start, then moves with Adam state) trains exactly like
+even TP; resizing keeps every all-reduce at the layer's hidden shape."""
+import math
+
+import pytest
+
+from megatron.training.arguments import ConfigError, parse_args
+from tests.multiproc import run_in_processes
+from tests.test_training import sp_dataset  # noqa: F401
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--ffn-hidden-size", "128", "--seq-length", "128", "--tokens-per-global-batch",
+         "1024", "--lr", "5e-3", "--lr-decay-style", "constant", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--num-planner-workers", "0", "--micro-batching",
+         "dynamic", "--distributed-timeout-minutes", "1", "--tensor-model-parallel-size", "2"]
+LAYOUT = MODEL + ["--pipeline-model-parallel-size", "2"]
+
+
+def _train(rank, world, argv):
+    """Train; per rank: losses, the balancer's records, the all-reduce shapes (input rows,
+    reduced tensor) of the slot linears, and the slot parameters' shapes."""
+    from megatron.flextp.layers import COMM
+    from megatron.training.training import build_run, train
+    COMM["shapes"] = []
+    run = build_run(parse_args("gpt", argv, has_cuda=False), verbose=False)
+    stats = train(run)
+    flex = run.flextp
+    return {"losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+            "history": flex.history if flex else None,
+            "shapes": COMM["shapes"],
+            "param_shapes": {n: tuple(p.shape) for m in run.modules
+                             for n, p in m.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_migrate_from_a_forced_uneven_partition_trains_like_even_tp(sp_dataset):  # noqa: F811
+    argv = sp_dataset + LAYOUT + ["--train-iters", "6"]
+    even = run_in_processes(_train, 4, (argv,), timeout_s=400)
+    flex = run_in_processes(_train, 4, (argv + ["--tp-balance", "migrate", "--flextp-interval",
+                                                "3", "--flextp-initial-speeds", "1,0.5"],),
+                            timeout_s=400)
+    losses = even[0]["losses"]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    for r in flex:
+        assert r["losses"] == pytest.approx(losses, rel=2e-5, abs=2e-5)
+    # TP rank 0 of each stage (ranks 0 and 2) started with 3 of 4 heads and 22 of 32 MLP units,
+    # then, with no straggler measured, migrated back to even after 3 optimizer steps (Adam
+    # moments on the move); TP rank 1 agrees on every decision
+    for r in flex:
+        first, third = r["history"][0], r["history"][2]
+        assert first["counts"] == {"attn": [3, 1], "mlp": [22, 10]}
+        assert third["action"] == {"attn": "migrate", "mlp": "migrate"}
+        assert third["counts"] == {"attn": [2, 2], "mlp": [16, 16]}
+        assert r["history"][-1]["counts"] == third["counts"]
+    # slot parameters: capacity 3 heads (3 x 3 x 8 qkv rows) and 31 MLP units (31 x 4 columns)
+    shapes = flex[0]["param_shapes"]
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == (72, 32)
+    assert shapes["decoder.layers.0.mlp.linear_fc2.weight"] == (32, 124)
+
+
+@pytest.mark.slow
+def test_resize_skips_straggler_units_and_keeps_collective_shapes(sp_dataset,  # noqa: F811
+                                                                  monkeypatch):
+    monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
+    argv = sp_dataset + LAYOUT + ["--train-iters", "9", "--tp-balance", "resize",
+                                  "--flextp-interval", "1", "--flextp-patience", "2"]
+    ranks = run_in_processes(_train, 4, (argv,), timeout_s=400)
+    for rank, r in enumerate(ranks):
+        assert all(math.isfinite(x) for x in r["losses"])
+        last = r["history"][-1]
+        # the switch slows the GEMMs of TP rank 1 (ranks 1 and 3) 20x: found from measured times
+        assert last["stragglers"] == [1], r["history"]
+        assert last["counts"] == {"attn": [2, 2], "mlp": [16, 16]}      # nothing moved
+        resized = [h for h in r["history"] if h["action"] and h["action"]["mlp"] == "resize"]
+        assert resized, r["history"]
+        # the straggler skips a quarter of its 16 MLP units (the bound) and none of its 2
+        # heads (a quarter of 2 rounds down to 0); the fast rank skips nothing
+        assert resized[-1]["drops"] == ({"attn": [0], "mlp": [4]} if rank % 2 == 1
+                                        else {"attn": [0], "mlp": [0]})
+        # what rank 1 then computes is less: the work figure both TP ranks see drops
+        assert resized[-1]["work"][1] < resized[-1]["work"][0]
+        # every all-reduce of a slot linear has the layer's [s, b] rows and the hidden size
+        assert r["shapes"] and all(red == rows + (32,) for rows, red in r["shapes"])
+    # the collectives agree: both TP ranks of a stage reduced the same shapes in the same order
+    assert ranks[0]["shapes"] == ranks[1]["shapes"] and ranks[2]["shapes"] == ranks[3]["shapes"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp-balance", "migrate"], "needs --tensor-model-parallel-size >= 2"),
+    (["--tp-balance", "resize", "--tensor-model-parallel-size", "2", "--save", "x"],
+     "cannot --save or --load"),
+    (["--tp-balance", "resize", "--tensor-model-parallel-size", "2",
+      "--flextp-initial-speeds", "1,0.5"], "needs --tp-balance migrate or semi"),
+    (["--tp-balance", "migrate", "--tensor-model-parallel-size", "2",
+      "--flextp-initial-speeds", "1,0,2"], "need 2 positive numbers"),
+])
+def test_bad_flextp_flags_are_clear_errors(extra, message):
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--train-iters", "1", "--data-path", "x", *extra]
+    with pytest.raises(ConfigError, match=message):
+        from megatron.training.arguments import build_parser, config_from_args
+        config_from_args("gpt", build_parser("gpt").parse_args(argv), has_cuda=False)
+
+
+@pytest.mark.slow
+def test_straggler_migration_with_data_parallel_trains_like_even_tp(sp_dataset,  # noqa: F811
+                                                                    monkeypatch):
+    """TP=2 x DP=2: the switch slows TP rank 1 of both replicas; migrate moves units (and
+    their Adam moments) to TP rank 0 mid-run, both replicas alike, and the losses stay those
+    of even TP. semi takes its decisions alike on every rank too."""
+    argv = sp_dataset + MODEL + ["--train-iters", "8"]
+    even = run_in_processes(_train, 4, (argv,), timeout_s=400)
+    monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
+    balance = ["--flextp-interval", "2", "--flextp-patience", "2"]
+    flex = run_in_processes(_train, 4, (argv + ["--tp-balance", "migrate", *balance],),
+                            timeout_s=400)
+    for r in flex:
+        assert r["losses"] == pytest.approx(even[0]["losses"], rel=2e-5, abs=2e-5)
+        moved = [h for h in r["history"] if h["action"] and h["action"]["mlp"] == "migrate"]
+        assert moved and moved[0]["iteration"] >= 3, r["history"]    # after optimizer steps
+        counts = r["history"][-1]["counts"]
+        assert counts["mlp"][0] > counts["mlp"][1] and counts["attn"][0] >= counts["attn"][1]
+    assert all(r["history"] and [h["counts"] for h in r["history"]]
+               == [h["counts"] for h in flex[0]["history"]] for r in flex)
+    semi = run_in_processes(_train, 4, (argv + ["--tp-balance", "semi", *balance],),
+                            timeout_s=400)
+    assert all(math.isfinite(x) for x in semi[0]["losses"])
+    decisions = [[(h["action"], h["counts"]) for h in r["history"]] for r in semi]
+    assert all(d == decisions[0] for d in decisions)
+    assert any(h["action"] for h in semi[0]["history"])
+
+
+def test_slot_capacity_ffn_units_and_stage_figures():
+    import torch
+    from megatron.flextp.stage_balance import default_ffn_unit, stage_figures
+    from megatron.flextp.stage_layers import capacity
+    assert capacity(32, 2) == 31 and capacity(32, 4) == 16 and capacity(4, 2) == 3
+    assert default_ffn_unit(128, 2) == 4 and default_ffn_unit(96, 2) == 3
+    assert default_ffn_unit(40, 2) == 2          # 10 units per rank where 16 do not divide
+    # rows: (pp rank, tp rank, seconds, work, tokens); pipeline rank 0 has two replicas
+    table = torch.tensor([[0, 0, 1.0, 10.0, 5], [0, 1, 1.0, 10.0, 5],
+                          [0, 0, 1.0, 10.0, 5], [0, 1, 4.0, 10.0, 5],
+                          [1, 0, 9.0, 1.0, 5], [1, 1, 1.0, 1.0, 5]], dtype=torch.float64)
+    # per TP rank the slowest replica of this stage; the other stage's figures stay out
+    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0])
+    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0])
+
+
+def test_validation_computes_every_unit_then_resizing_resumes():
+    from types import SimpleNamespace
+    from dynapipe_ext.flextp.partition import even_partition
+    from megatron.flextp.stage_balance import StageBalancer
+    from megatron.flextp.stage_layers import FlexPair
+    pairs = {"mlp": [FlexPair("mlp", even_partition(8, 2), 1, 7, 4, 4, 16) for _ in range(2)],
+             "attn": []}
+    pairs["mlp"][0].set_drops((6,))
+    layout = SimpleNamespace(tp=2, tp_rank=1, pp_rank=0, rank=1, world_size=2)
+    balancer = StageBalancer(pairs, "resize", layout, group=None)
+    with balancer.all_units():
+        assert [p.drops for p in pairs["mlp"]] == [(), ()]
+        assert pairs["mlp"][0].computed_slots() == [0, 1, 2, 3]
+    assert [p.drops for p in pairs["mlp"]] == [(6,), ()]
+    assert pairs["mlp"][0].computed_slots() == [0, 1, 3]
