@@ -77,6 +77,9 @@ class ProfiledLayer(torch.nn.Module):
             self.body = OutputHead(config, spec.vocab_size)
         else:
             raise ValueError(f"unknown layer kind {kind!r}")
+        # the model dtype throughout, as the stages have it (megatron-core leaves position
+        # embeddings and local-spec norms fp32, which CUDA's bf16 kernels refuse)
+        self.to(dtype=config.params_dtype)
         with torch.no_grad():   # megatron's own init is off (perform_initialization=False)
             for param in self.body.parameters():
                 if param.dim() > 1:
