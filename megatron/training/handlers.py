@@ -31,6 +31,7 @@ gradient of the global token mean.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence
 
@@ -119,6 +120,7 @@ class PipelineRuntime:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batches_done = 0
+        self.batch_wait_s = 0.0      # time Forward waited for its tensors (step_timing)
         self.forward_only = forward_only
         self.token_losses: dict[int, tuple] = {}   # forward-only HEAD: mb -> (loss*mask, mask)
 
@@ -180,7 +182,9 @@ class PipelineRuntime:
     def _forward(self, instr: Forward) -> None:
         key = (instr.mb, instr.stage)
         stage = self._stage(instr)
+        started = time.perf_counter()
         batch = self._batch(instr.mb)
+        self.batch_wait_s += time.perf_counter() - started
         grad = not self.forward_only
         previous = (instr.mb, instr.stage - 1)
         if stage.has_embedding:
