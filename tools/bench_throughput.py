@@ -334,7 +334,8 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     for s in measured:
         parts = add_parts(parts, s.time_parts or {})
     mine = {"peak": peak_memory(run.layout.device), "parts": parts, "dp_rank": run.layout.dp_rank,
-            "computed_flops": sum(r["computed_flops"] for r in records)}
+            "computed_flops": sum(r["computed_flops"] for r in records),
+            "executor_cpu_s": sum(s.executor_cpu_s for s in measured)}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     peaks = [r["peak"] for r in ranks]
@@ -366,6 +367,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "peak_memory_bytes": peaks, "loss": [s.loss for s in measured],
         "real_flops": real_fl, "computed_flops": computed,
         "time_parts_per_rank": [r["parts"] for r in ranks],
+        "executor_cpu_s_per_rank": [r["executor_cpu_s"] for r in ranks],
         "sgemm_flops": job.get("sgemm_flops"),
         **mfu_fields(real_fl, computed, [r["parts"] for r in ranks], elapsed,
                      job.get("sgemm_flops")),

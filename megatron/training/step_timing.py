@@ -14,6 +14,10 @@ Parts, in seconds of one iteration on one rank (they add up to the iteration tim
 
 `host_share` = (host + plan_wait) / iteration: what the runtime spends outside forward /
 backward compute, transfer and collective waits and the optimizer step.
+
+`executor_cpu_s`: CPU time of the main thread while the executor ran (compute and the
+runtime's own work, not the waits): on a shared machine, where other processes stretch wall
+times, it still measures the work a rank did.
 """
 from __future__ import annotations
 
@@ -33,12 +37,16 @@ class StepClock:
 
     def __init__(self):
         self.parts = dict.fromkeys(PARTS, 0.0)
+        self.executor_cpu_s = 0.0
         self._last = time.perf_counter()
+        self._last_cpu = time.thread_time()
 
     def lap(self, part: str) -> None:
+        """Book the time since the previous lap (or add_executor) to `part`."""
         now = time.perf_counter()
         self.parts[part] += now - self._last
         self._last = now
+        self._last_cpu = time.thread_time()
 
     def add_executor(self, records, batch_wait_s: float = 0.0) -> None:
         """Book one Executor.run's (instruction, start, end) records, which must cover the time
@@ -57,6 +65,9 @@ class StepClock:
         self.parts["forward"] -= wait
         self.parts["host"] += total - booked + wait
         self._last = now
+        cpu = time.thread_time()
+        self.executor_cpu_s += cpu - self._last_cpu
+        self._last_cpu = cpu
 
 
 def add_parts(total: dict, parts: dict) -> dict:

@@ -33,6 +33,7 @@ class IterationStats:
     iteration_s: float
     peak_memory_bytes: int
     time_parts: dict | None = None   # this rank's seconds per step_timing.PARTS
+    executor_cpu_s: float = 0.0      # this rank's main-thread CPU time in the executor
 
     @property
     def tokens_per_s(self) -> float:

@@ -521,7 +521,8 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
         grad_norm=step["grad_norm"], real_tokens=real_tokens,
         token_slots=slots, num_micro_batches=count, shapes=shapes,
         plan_wait_s=delivered.wait_s, iteration_s=time.perf_counter() - start,
-        peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts)
+        peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts,
+        executor_cpu_s=clock.executor_cpu_s)
 
 
 def replica_totals(micro_batches, layout: ParallelLayout) -> tuple[int, int]:
