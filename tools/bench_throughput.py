@@ -199,20 +199,23 @@ def sgemm_rate(sizes=(256, 512, 1024), seconds: float = 1.0) -> float:
 
 
 MFU_TARGET = 0.55      # issue 11: GPT dynamic at 2048 on this CPU
-MFU_PARTS = ("mfu", "padding", "waits", "other_compute", "host", "optimizer")
+MFU_PARTS = ("mfu", "padding", "waits", "other_compute", "descheduled", "host", "optimizer")
 
 
 def mfu_fields(real_flops: float, computed_flops: float, parts_per_rank: list[dict],
-               elapsed_s: float, sgemm_flops: float | None) -> dict:
+               elapsed_s: float, sgemm_flops: float | None,
+               executor_cpu_per_rank: list[float] | None = None) -> dict:
     """MFU on real tokens: model FLOPs of the real tokens / (ranks x wall time x the one-thread
     sgemm rate), and where the rest of the ranks' time went, as shares of ranks x wall time
     (all shares add up to 1; times at the sgemm rate where FLOPs are the measure):
     padding = (computed - real FLOPs) at the sgemm rate; waits = transfer and collective
-    waits (pipeline bubble, stage imbalance); other_compute = forward + backward time less
-    the computed FLOPs at the sgemm rate (non-GEMM work: norms, activations, softmax, loss,
-    autograd; GEMMs below the peak rate; recompute); host = the runtime's own time and plan
-    waits (megatron/training/step_timing.py) plus time between iterations; optimizer = the
-    step. {} without a rate (GPU runs)."""
+    waits (pipeline bubble, stage imbalance); descheduled = forward + backward wall time the
+    rank's main thread did not run (other processes had the core: executor wall time less its
+    CPU time, step_timing.executor_cpu_s; 0 on a quiet machine); other_compute = the rest of
+    forward + backward time less the computed FLOPs at the sgemm rate (non-GEMM work: norms,
+    activations, softmax, loss, autograd; GEMMs below the peak rate; recompute); host = the
+    runtime's own time and plan waits (megatron/training/step_timing.py) plus time between
+    iterations; optimizer = the step. {} without a rate (GPU runs)."""
     from megatron.training.step_timing import PARTS
     if not sgemm_flops or elapsed_s <= 0 or not parts_per_rank:
         return {}
@@ -220,11 +223,17 @@ def mfu_fields(real_flops: float, computed_flops: float, parts_per_rank: list[di
 
     def total(*names) -> float:
         return sum(p.get(n, 0.0) for p in parts_per_rank for n in names)
+    compute = total("forward", "backward")
+    descheduled = 0.0
+    if executor_cpu_per_rank:
+        descheduled = sum(max(0.0, p.get("forward", 0.0) + p.get("backward", 0.0) - cpu)
+                          for p, cpu in zip(parts_per_rank, executor_cpu_per_rank))
     shares = {
         "mfu": real_flops / sgemm_flops / budget,
         "padding": max(computed_flops - real_flops, 0.0) / sgemm_flops / budget,
         "waits": total("transfer_wait", "sync_wait") / budget,
-        "other_compute": (total("forward", "backward") - computed_flops / sgemm_flops) / budget,
+        "other_compute": (compute - descheduled - computed_flops / sgemm_flops) / budget,
+        "descheduled": descheduled / budget,
         "host": (total("host", "plan_wait") + budget - total(*PARTS)) / budget,
         "optimizer": total("optimizer") / budget}
     return {"mfu": shares["mfu"], "mfu_breakdown": shares}
@@ -370,7 +379,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "executor_cpu_s_per_rank": [r["executor_cpu_s"] for r in ranks],
         "sgemm_flops": job.get("sgemm_flops"),
         **mfu_fields(real_fl, computed, [r["parts"] for r in ranks], elapsed,
-                     job.get("sgemm_flops")),
+                     job.get("sgemm_flops"), [r["executor_cpu_s"] for r in ranks]),
         "batch_ids": [[int(i) for i in run.data.sampler.batch(r["iteration"])]
                       for r in records],
         "sample_positions_planned": [r["sample_positions"] for r in records],
@@ -529,15 +538,16 @@ def mfu_table(rows: list[dict]) -> list[str]:
     """Markdown rows: MFU on real tokens and where the rest of the ranks' time went
     (mfu_fields), per measured run."""
     out = ["| model | max len | strategy | MFU | padding | transfer + sync waits | "
-           "other compute (non-GEMM, GEMM below peak, recompute) | host | optimizer |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "other compute (non-GEMM, GEMM below peak, recompute) | descheduled (other "
+           "processes) | host | optimizer |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     order = {s: i for i, s in enumerate(STRATEGIES)}
     for r in sorted(rows, key=lambda r: (r["model"], r["max_len"],
                                          order.get(r["strategy"], 99))):
         parts = r.get("mfu_breakdown")
         if parts:
             out.append(f"| {r['model']} | {r['max_len']} | {r['strategy']} | " +
-                       " | ".join(percent(parts[k]) for k in MFU_PARTS) + " |")
+                       " | ".join(percent(parts.get(k)) for k in MFU_PARTS) + " |")
     return out if len(out) > 2 else []
 
 
