@@ -27,6 +27,11 @@ from typing import Any, Callable
 
 _POLL_S = 0.2          # how often idle workers and the collector look for shutdown / parent death
 _JOIN_S = 2.0          # grace period for workers to exit before they are killed on close()
+# Workers run at a lower CPU priority than the trainer (os.nice): where training keeps the
+# cores busy (CPU training, a core per rank), planning takes the idle moments (a pipeline
+# rank waiting for its peer) instead of time slices of the ranks' compute; a plan that falls
+# behind makes the trainer wait, which frees a core for it. No effect on idle cores.
+PLANNER_NICE = 10
 
 
 class PlanningFailed(RuntimeError):
@@ -66,6 +71,10 @@ def default_num_workers(cpu_count: int | None = None) -> int:
 def _planner_worker(plan_fn: Callable, tasks, results) -> None:
     """Body of one worker process: plan tasks from the shared queue until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        os.nice(PLANNER_NICE)
+    except OSError:      # not permitted here: plan at the trainer's priority
+        pass
     parent = mp.parent_process()
     import queue as queue_mod
     results.send(("ready", -1, os.getpid()))

@@ -81,6 +81,13 @@ def test_harness_counts_exactly_the_tokens_of_the_samples_it_trained_on(tiny_dat
             assert planned == list(range(len(ids)))
         assert 0 < row["padding_efficiency_enc"] <= 1
         assert all(p > 0 for p in row["peak_memory_bytes"])
+        # MFU on the real tokens, and where the rest of the two ranks' time went
+        assert row["sgemm_flops"] > 1e9 and 0 < row["mfu"] < 1
+        assert row["computed_flops"] >= row["real_flops"] > 0
+        shares = row["mfu_breakdown"]
+        assert shares["mfu"] == row["mfu"] and sum(shares.values()) == pytest.approx(1.0)
+        assert len(row["time_parts_per_rank"]) == 2
+        assert all(p["forward"] > 0 and p["backward"] > 0 for p in row["time_parts_per_rank"])
     # the same global batches for every strategy
     assert rows[0]["batch_ids"] == rows[1]["batch_ids"]
     assert rows[0]["segment_attention_modules"] == 1       # one GPT layer on rank 0's stage

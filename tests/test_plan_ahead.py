@@ -40,6 +40,17 @@ def dying_plan(iteration: int, lengths) -> bytes:
     return digest_plan(iteration, lengths)
 
 
+def niceness_plan(iteration: int, lengths) -> int:
+    return os.nice(0)
+
+
+def test_workers_plan_at_a_lower_cpu_priority_than_the_trainer():
+    from dynapipe_ext.plan_ahead import PLANNER_NICE
+    with PlanAhead(niceness_plan, lengths_of, num_workers=1, prefetch=1).start(0) as planner:
+        worker_nice = planner.get(0).value
+    assert worker_nice == min(19, os.nice(0) + PLANNER_NICE)
+
+
 def collect(planner: PlanAhead, first: int, count: int) -> list[bytes]:
     return [planner.get(i).value for i in range(first, first + count)]
 

@@ -118,6 +118,19 @@ def test_unfused_gelu_is_the_tanh_approximation_of_the_fusion_and_gpt2():
         torch.nn.functional.gelu   # what megatron-core fuses (as tanh GeLU)
 
 
+def test_unfused_gelu_gradient_is_the_tanh_gelus():
+    """gelu_tanh's own fp32 CPU kernel (sigmoid form) against torch's tanh GeLU in float64."""
+    x = (torch.randn(4096, dtype=torch.float64) * 4).requires_grad_()
+    grad = torch.randn_like(x)
+    torch.nn.functional.gelu(x, approximate="tanh").backward(grad)
+    ours = x.detach().float().requires_grad_()
+    out = gelu_tanh(ours)
+    out.backward(grad.float())
+    torch.testing.assert_close(out.double(), torch.nn.functional.gelu(
+        x.detach(), approximate="tanh"), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.grad.double(), x.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_untie_flag(tmp_path):
     from megatron.training.arguments import parse_args
     base = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",

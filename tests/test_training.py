@@ -219,6 +219,10 @@ def test_gpt_pp2_dynamic_trains_and_resumes_exactly(sp_dataset, tmp_path):
     assert all(math.isfinite(x) for x in losses)
     assert max(losses[-2:]) < losses[0], f"loss did not decrease: {losses}"
     assert all(s["num_micro_batches"] >= 1 and s["real_tokens"] <= 1024 for s in straight)
+    for s in straight:      # where rank 0's iteration time went (step_timing)
+        parts = s["time_parts"]
+        assert parts["forward"] > 0 and parts["backward"] > 0
+        assert sum(parts.values()) == pytest.approx(s["iteration_s"], rel=0.05, abs=0.01)
 
     # A run stopped after the save at iteration 3 (the save at 6 never happened) and resumed.
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")

@@ -176,6 +176,71 @@ def peak_memory(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# ============================================================================ MFU
+
+def sgemm_rate(sizes=(256, 512, 1024), seconds: float = 1.0) -> float:
+    """One-thread fp32 matmul rate of this CPU (FLOP/s): the fastest of repeated n^3 products
+    of each size over about `seconds`, the best size's. The fastest run and the best size, so
+    that the MFU is taken against the peak: short products also slip between other processes
+    on a shared machine, which stretch a long one (on this CPU under load 5, 1024^3 products
+    measured 67 GFLOP/s, 512^3 ones 91). Sets this process to one torch thread."""
+    import torch
+    torch.set_num_threads(1)
+    rates = []
+    for size in sizes:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)
+        best, spent = float("inf"), 0.0
+        while spent < seconds:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            took = time.perf_counter() - t0
+            best, spent = min(best, took), spent + took
+        rates.append(2.0 * size ** 3 / best)
+    return max(rates)
+
+
+MFU_TARGET = 0.55      # issue 11: GPT dynamic at 2048 on this CPU
+MFU_PARTS = ("mfu", "padding", "waits", "other_compute", "descheduled", "host", "optimizer")
+
+
+def mfu_fields(real_flops: float, computed_flops: float, parts_per_rank: list[dict],
+               elapsed_s: float, sgemm_flops: float | None,
+               executor_cpu_per_rank: list[float] | None = None) -> dict:
+    """MFU on real tokens: model FLOPs of the real tokens / (ranks x wall time x the one-thread
+    sgemm rate), and where the rest of the ranks' time went, as shares of ranks x wall time
+    (all shares add up to 1; times at the sgemm rate where FLOPs are the measure):
+    padding = (computed - real FLOPs) at the sgemm rate; waits = transfer and collective
+    waits (pipeline bubble, stage imbalance); descheduled = forward + backward wall time the
+    rank's main thread did not run (other processes had the core: executor wall time less its
+    CPU time, step_timing.executor_cpu_s; 0 on a quiet machine); other_compute = the rest of
+    forward + backward time less the computed FLOPs at the sgemm rate (non-GEMM work: norms,
+    activations, softmax, loss, autograd; GEMMs below the peak rate; recompute); host = the
+    runtime's own time and plan waits (megatron/training/step_timing.py) plus time between
+    iterations; optimizer = the step. {} without a rate (GPU runs)."""
+    from megatron.training.step_timing import PARTS
+    if not sgemm_flops or elapsed_s <= 0 or not parts_per_rank:
+        return {}
+    budget = len(parts_per_rank) * elapsed_s
+
+    def total(*names) -> float:
+        return sum(p.get(n, 0.0) for p in parts_per_rank for n in names)
+    compute = total("forward", "backward")
+    descheduled = 0.0
+    if executor_cpu_per_rank:
+        descheduled = sum(max(0.0, p.get("forward", 0.0) + p.get("backward", 0.0) - cpu)
+                          for p, cpu in zip(parts_per_rank, executor_cpu_per_rank))
+    shares = {
+        "mfu": real_flops / sgemm_flops / budget,
+        "padding": max(computed_flops - real_flops, 0.0) / sgemm_flops / budget,
+        "waits": total("transfer_wait", "sync_wait") / budget,
+        "other_compute": (compute - descheduled - computed_flops / sgemm_flops) / budget,
+        "descheduled": descheduled / budget,
+        "host": (total("host", "plan_wait") + budget - total(*PARTS)) / budget,
+        "optimizer": total("optimizer") / budget}
+    return {"mfu": shares["mfu"], "mfu_breakdown": shares}
+
+
 # ============================================================================ one strategy
 
 def build_bench_run(cfg, job: dict, micro_batch_size: int | None):
@@ -189,10 +254,12 @@ def build_bench_run(cfg, job: dict, micro_batch_size: int | None):
 
 class PlanRecorder:
     """Wraps a run's PlanDelivery.fetch to keep what each delivered plan says: planning time
-    (leader), wait time, micro-batch shapes, schedule and recompute modes."""
+    (leader), wait time, micro-batch shapes, schedule and recompute modes, and the model FLOPs
+    of its real tokens and of what its micro-batches compute (dynapipe_ext.model_flops)."""
 
-    def __init__(self, run):
+    def __init__(self, run, packed_attention: str = "segments"):
         self.run = run
+        self.packed_attention = packed_attention
         self.records: list[dict] = []
         self._fetch = run.plans.fetch
         run.plans.fetch = self.fetch
@@ -208,8 +275,20 @@ class PlanRecorder:
             "micro_batches": [[mb.num_rows, mb.seq_len, mb.dec_seq_len, mb.recompute]
                               for mb in plan.micro_batches],
             "sample_positions": sorted(s for mb in plan.micro_batches for s in mb.sample_ids),
-            "real_tokens_enc_dec": real_tokens_enc_dec(plan.micro_batches, lengths)})
+            "real_tokens_enc_dec": real_tokens_enc_dec(plan.micro_batches, lengths),
+            "plan": (plan.micro_batches, lengths)})     # FLOPs counted after the timed loop
         return delivered
+
+    def count_flops(self) -> None:
+        """Model FLOPs of each record's real tokens (the whole global batch) and of what this
+        replica's micro-batches compute; done once the timed iterations are over."""
+        from dynapipe_ext.model_flops import computed_flops, real_flops
+        for record in self.records:
+            micro_batches, lengths = record.pop("plan")
+            record["real_flops"] = real_flops(self.run.spec, lengths)
+            record["computed_flops"] = sum(computed_flops(self.run.spec, mb, lengths,
+                                                          self.packed_attention)
+                                           for mb in micro_batches)
 
 
 def real_tokens_enc_dec(micro_batches, lengths) -> list[int]:
@@ -229,6 +308,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
 
     from megatron.model.attention import set_packed_attention
     from megatron.training.arguments import parse_args
+    from megatron.training.step_timing import add_parts
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
     micro_batch_size, tuning = None, {}
@@ -240,7 +320,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     mode = "segments" if strategy.endswith("+segment-attn") else "mask"
     replaced = sum(set_packed_attention(m, mode) for m in run.stages.values())
     replaced = replaced if mode == "segments" else 0
-    recorder = PlanRecorder(run)
+    recorder = PlanRecorder(run, mode)
     stats = []
     total = job["warmup_iters"] + job["iters"]
     try:
@@ -258,10 +338,20 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         elapsed = time.perf_counter() - started
     finally:
         run.close()
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory(run.layout.device))
+    recorder.count_flops()
     measured = stats[job["warmup_iters"]:]
     records = recorder.records[job["warmup_iters"]:]
+    parts = {}
+    for s in measured:
+        parts = add_parts(parts, s.time_parts or {})
+    mine = {"peak": peak_memory(run.layout.device), "parts": parts, "dp_rank": run.layout.dp_rank,
+            "computed_flops": sum(r["computed_flops"] for r in records),
+            "executor_cpu_s": sum(s.executor_cpu_s for s in measured)}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    peaks = [r["peak"] for r in ranks]
+    computed = sum({r["dp_rank"]: r["computed_flops"] for r in ranks}.values())   # per replica
+    real_fl = sum(r["real_flops"] for r in records)
     real = sum(s.real_tokens for s in measured)
     enc_real = sum(r["real_tokens_enc_dec"][0] for r in records)
     dec_real = sum(r["real_tokens_enc_dec"][1] for r in records)
@@ -286,6 +376,12 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "schedules": [r["schedule"] for r in records],
         "planning_ms": planning, "plan_wait_s": [s.plan_wait_s for s in measured],
         "peak_memory_bytes": peaks, "loss": [s.loss for s in measured],
+        "real_flops": real_fl, "computed_flops": computed,
+        "time_parts_per_rank": [r["parts"] for r in ranks],
+        "executor_cpu_s_per_rank": [r["executor_cpu_s"] for r in ranks],
+        "sgemm_flops": job.get("sgemm_flops"),
+        **mfu_fields(real_fl, computed, [r["parts"] for r in ranks], elapsed,
+                     job.get("sgemm_flops"), [r["executor_cpu_s"] for r in ranks]),
         "batch_ids": [[int(i) for i in run.data.sampler.batch(r["iteration"])]
                       for r in records],
         "sample_positions_planned": [r["sample_positions"] for r in records],
@@ -397,16 +493,16 @@ def ratio_text(row: dict) -> str:
 
 def measured_table(rows: list[dict]) -> list[str]:
     """Markdown rows of the measured runs, grouped by model and max length."""
-    out = ["| model | max len | strategy | rows/mb | tokens/s | vs packing | pad eff enc/dec | "
+    out = ["| model | max len | strategy | rows/mb | tokens/s | MFU | vs packing | pad eff enc/dec | "
            "micro-batches | recompute | schedule | plan ms | plan wait ms | peak MiB/rank | "
            "s/iter |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     order = {s: i for i, s in enumerate(STRATEGIES)}
     for r in sorted(rows, key=lambda r: (r["model"], r["max_len"],
                                          order.get(r["strategy"], 99))):
         if "error" in r:
             out.append(f"| {r['model']} | {r['max_len']} | {r['strategy']} | | failed: "
-                       f"{r['error'][:120].replace('|', '/')} | | | | | | | | | |")
+                       f"{r['error'][:120].replace('|', '/')} | | | | | | | | | | |")
             continue
         dec = r.get("padding_efficiency_dec")
         eff = f"{r['padding_efficiency_enc']:.2f}" + (f"/{dec:.2f}" if dec is not None else "")
@@ -414,12 +510,47 @@ def measured_table(rows: list[dict]) -> list[str]:
         out.append(
             f"| {r['model']} | {r['max_len']} | {r['strategy']} | "
             f"{r['micro_batch_size'] or 'var'} | {r['tokens_per_s']:,.0f} | "
-            f"{ratio_text(r)} | {eff} | "
+            f"{percent(r.get('mfu'))} | {ratio_text(r)} | {eff} | "
             f"{median(r['micro_batches']):.0f} | {'/'.join(r['recompute'])} | "
             f"{'/'.join(sched)} | {median(r['planning_ms']):.0f} | "
             f"{1e3 * median(r['plan_wait_s']):.1f} | "
             f"{max(r['peak_memory_bytes']) / 2**20:,.0f} | {median(r['iteration_s']):.2f} |")
     return out
+
+
+def percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.1f}%"
+
+
+def sgemm_note(rows: list[dict]) -> str:
+    rates = [r["sgemm_flops"] for r in rows if r.get("sgemm_flops")]
+    return (f": {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f} GFLOP/s" if rates else "")
+
+
+def mfu_section(rows: list[dict]) -> list[str]:
+    table = mfu_table(rows)
+    if not table:
+        return []
+    return ["Where the ranks' time went (shares of ranks x wall time, adding up to 100%; "
+            "tools/bench_throughput.py mfu_fields says how each is measured):", "",
+            *table, ""]
+
+
+def mfu_table(rows: list[dict]) -> list[str]:
+    """Markdown rows: MFU on real tokens and where the rest of the ranks' time went
+    (mfu_fields), per measured run."""
+    out = ["| model | max len | strategy | MFU | padding | transfer + sync waits | "
+           "other compute (non-GEMM, GEMM below peak, recompute) | descheduled (other "
+           "processes) | host | optimizer |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    order = {s: i for i, s in enumerate(STRATEGIES)}
+    for r in sorted(rows, key=lambda r: (r["model"], r["max_len"],
+                                         order.get(r["strategy"], 99))):
+        parts = r.get("mfu_breakdown")
+        if parts:
+            out.append(f"| {r['model']} | {r['max_len']} | {r['strategy']} | " +
+                       " | ".join(percent(parts.get(k)) for k in MFU_PARTS) + " |")
+    return out if len(out) > 2 else []
 
 
 def rate_text(tokens_per_s: float) -> str:
@@ -482,6 +613,12 @@ def target_lines(rows: list[dict], projection: dict | None) -> list[str]:
         lines.append(f"- {model.upper()} speed-up over max length "
                      f"{', '.join(f'{L}: {v:.2f}x' for L, v in curve)} - "
                      f"{'grows with max length' if grows else 'does NOT grow monotonically'}")
+    mfu = next((r for r in rows if r["model"] == "gpt" and r["max_len"] == 2048
+                and r["strategy"] == "dynamic" and r.get("mfu") is not None), None)
+    if mfu is not None:
+        ok = "met" if mfu["mfu"] >= MFU_TARGET else "NOT met"
+        lines.append(f"- GPT dynamic MFU on real tokens at max length 2048: "
+                     f"{percent(mfu['mfu'])} (target >= {percent(MFU_TARGET)}: {ok})")
     if projection:
         sims = [("analytic A100 costs", projection["rows"])]
         if projection.get("cpu_fit"):
@@ -624,10 +761,13 @@ def report_markdown(result: dict, plots: dict) -> str:
         "pad eff = real / padded tokens (T5 encoder/decoder); micro-batches, plan ms (planner "
         "worker time per iteration), plan wait ms (time train_step waited for its plan), "
         "s/iter: medians; peak MiB/rank: peak resident memory (CPU) or allocated (GPU), max "
-        "over ranks.",
+        "over ranks; MFU: model FLOPs of the real tokens (dynapipe_ext/model_flops.py) / "
+        "(ranks x wall time x the one-thread sgemm rate measured before each group"
+        f"{sgemm_note(rows)}).",
         "",
         *measured_table(rows),
         "",
+        *mfu_section(rows),
         f"![speed-up over packing]({plots.get('speedup', 'throughput_speedup.png')})",
         f"![padding efficiency]({plots.get('padding', 'throughput_padding.png')})",
         "",
@@ -926,6 +1066,8 @@ def main(argv=None) -> int:
         for model in args.models:
             for max_len in args.max_lengths:
                 job = make_job(args, model, max_len, device, work)
+                if device == "cpu":
+                    job["sgemm_flops"] = sgemm_rate()
                 t0 = time.perf_counter()
                 new = run_job(job, args.nproc, args.timeout_minutes * 60, log)
                 rows += new
@@ -933,7 +1075,7 @@ def main(argv=None) -> int:
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
                 for r in new:
                     print("   ", r["strategy"], f"{r.get('tokens_per_s', 0):,.0f} tokens/s",
-                          r.get("error", ""), flush=True)
+                          f"MFU {percent(r.get('mfu'))}", r.get("error", ""), flush=True)
     add_ratios(rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                             capture_output=True).stdout.strip()

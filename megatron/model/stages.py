@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import re
 from typing import Mapping
 
@@ -89,9 +90,41 @@ TIED_EMBEDDING = "embedding.word_embeddings.weight"   # global name of the tied 
 TIED_COPIES = ("decoder_embedding.word_embeddings.weight", "head.output_layer.weight")
 
 
+GELU_C = 2.0 * math.sqrt(2.0 / math.pi)   # 0.5 (1 + tanh(z)) = sigmoid(2 z)
+GELU_A = 0.044715
+
+
+class _SigmoidGeluTanh(torch.autograd.Function):
+    """The tanh GeLU written as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) (the same
+    function: 0.5 (1 + tanh z) = sigmoid(2 z)), in a few in-place passes. torch's vectorised
+    tanh is slow on CPU: at [1100, 1024] fp32, one thread, F.gelu(approximate="tanh") took
+    4.0 ms forward and 4.0 ms backward on this project's CPU, this 1.7 and 3.5 ms. Keeps only
+    its input for backward, as F.gelu does (same activation memory)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        y = torch.addcmul(x, x * x, x, value=GELU_A).mul_(GELU_C).sigmoid_()
+        return y.mul_(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        x2 = x * x
+        s = torch.addcmul(x, x2, x, value=GELU_A).mul_(GELU_C).sigmoid_()   # sigmoid(u)
+        du = x2.mul_(3.0 * GELU_A * GELU_C).add_(GELU_C)                     # du / dx
+        # d/dx [x s(u)] = s + x s (1 - s) du
+        out = torch.addcmul(s, s, s, value=-1.0).mul_(x).mul_(du).add_(s)
+        return out.mul_(grad)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GeLU, tanh approximation: what GPT-2 (`gelu_new`), T5 v1.1 (`gelu_new`) and megatron-core's
-    fused bias-GeLU compute, so fused and unfused runs agree."""
+    fused bias-GeLU compute, so fused and unfused runs agree. fp32 on CPU goes through
+    _SigmoidGeluTanh (faster there, equal to float32 rounding); elsewhere torch's own kernel
+    (one fused kernel on GPU; bf16 computed in fp32 inside it)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return _SigmoidGeluTanh.apply(x)
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron.training.step_timing import shares_line
+
 
 @dataclass(frozen=True)
 class IterationStats:
@@ -30,6 +32,8 @@ class IterationStats:
     plan_wait_s: float
     iteration_s: float
     peak_memory_bytes: int
+    time_parts: dict | None = None   # this rank's seconds per step_timing.PARTS
+    executor_cpu_s: float = 0.0      # this rank's main-thread CPU time in the executor
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,6 +195,15 @@ class TrainLogger:
             for group, losses in (("tasks", v.tasks), ("families", v.families)):
                 for name, (loss, _) in losses.items():
                     self.writer.add_scalar(f"validation/{group}/{name}", loss, v.iteration)
+
+    def log_time_parts(self, per_rank: list[dict]) -> None:
+        """Where each rank's iteration time went (step_timing), summed over the iterations
+        after the first: one line per rank (each iteration's stats-file record holds rank 0's
+        parts of that iteration)."""
+        if not self.enabled or not any(per_rank):
+            return
+        for rank, parts in enumerate(per_rank):
+            print(f"[train] rank {rank}: {shares_line(parts)}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.history:

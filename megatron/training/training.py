@@ -47,6 +47,7 @@ from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
 from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.profiling import IterationProfiler
+from megatron.training.step_timing import StepClock, add_parts
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
                                              shapes_summary, token_slots)
 
@@ -490,15 +491,20 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
 
 
 def train_step(run: TrainingRun, iteration: int) -> IterationStats:
-    """One iteration on this rank: plan, tensors, executor, gradient reduce, optimizer step."""
+    """One iteration on this rank: plan, tensors, executor, gradient reduce, optimizer step.
+    Its stats carry where the time went on this rank (step_timing.PARTS)."""
     cfg, layout = run.cfg, run.layout
     start = time.perf_counter()
+    clock = StepClock()
     delivered = run.plans.fetch(iteration)
+    clock.lap("plan_wait")
     plan = delivered.plan
     samples = run.data.batch_samples(iteration)
-    agree_or_raise(plan_problems(plan, iteration, layout, run.stage_to_rank, model_dtype(cfg),
-                                 len(samples)),
-                   f"iteration {iteration}: the plan does not match this rank")
+    problems = plan_problems(plan, iteration, layout, run.stage_to_rank, model_dtype(cfg),
+                             len(samples))
+    clock.lap("host")
+    agree_or_raise(problems, f"iteration {iteration}: the plan does not match this rank")
+    clock.lap("sync_wait")
     global_loss_tokens = count_loss_tokens(samples, list(samples))
     micro_batches = plan.micro_batches
     keys = run.handlers.runtime.batch_keys      # only what this rank's stages read
@@ -509,21 +515,29 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     run.optimizer.grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
     if run.flextp is not None:
         run.flextp.begin()
-    run.executor.run(plan)
+    clock.lap("host")
+    records = run.executor.run(plan, record_times=True)
+    clock.add_executor(records, run.handlers.runtime.batch_wait_s)
     run.handlers.runtime.check_drained()
+    clock.lap("host")
     all_reduce_data_parallel_grads(run.optimizer.grad_buffer)
     loss, _ = global_mean_loss(run.handlers.runtime)
+    clock.lap("sync_wait")
     step = run.optimizer.step(iteration)
+    clock.lap("optimizer")
     if run.flextp is not None:     # measure, detect, rebalance at the iteration boundary
         run.flextp.end(iteration)
     slots, count = replica_totals(micro_batches, layout)
+    real_tokens = int(run.data.batch_lengths(iteration).sum())
+    shapes = ("replica 0: " if layout.dp > 1 else "") + shapes_summary(micro_batches)
+    clock.lap("host")
     return IterationStats(
         iteration=iteration + 1, train_iters=cfg.train_iters, loss=loss, lr=step["lr"],
-        grad_norm=step["grad_norm"], real_tokens=int(run.data.batch_lengths(iteration).sum()),
-        token_slots=slots, num_micro_batches=count,
-        shapes=("replica 0: " if layout.dp > 1 else "") + shapes_summary(micro_batches),
+        grad_norm=step["grad_norm"], real_tokens=real_tokens,
+        token_slots=slots, num_micro_batches=count, shapes=shapes,
         plan_wait_s=delivered.wait_s, iteration_s=time.perf_counter() - start,
-        peak_memory_bytes=peak_memory_bytes(layout.device))
+        peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts,
+        executor_cpu_s=clock.executor_cpu_s)
 
 
 def replica_totals(micro_batches, layout: ParallelLayout) -> tuple[int, int]:
@@ -533,6 +547,19 @@ def replica_totals(micro_batches, layout: ParallelLayout) -> tuple[int, int]:
     if layout.dp > 1:
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     return int(totals[0].item()), int(totals[1].item())
+
+
+def gather_time_parts(history: list[IterationStats]) -> list[dict]:
+    """Every rank's step_timing parts summed over `history` (its own iterations), in rank
+    order. Collective over the world group when there is one."""
+    mine = {}
+    for stats in history:
+        mine = add_parts(mine, stats.time_parts or {})
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def save(run: TrainingRun, iterations_done: int) -> None:
@@ -581,6 +608,8 @@ def train(run: TrainingRun) -> list[IterationStats]:
                              (cfg.save_interval and done % cfg.save_interval == 0)):
                 save(run, done)
         profiler.stop(cfg.train_iters)
+        run.logger.log_time_parts(gather_time_parts(run.logger.history[1:]
+                                                    or run.logger.history))
     finally:
         run.close()
     return run.logger.history
