@@ -249,7 +249,10 @@ class SDPAttention(DotProductAttention):
 
     def _sdpa(self, q, k, v, allowed, causal):
         """[b, heads, sq, dim] output; `allowed` broadcastable bool, True = may attend."""
-        with self._dropout_rng(), sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+        # CPU has no cuDNN backend: the priority context (~40 us) is only worth it on CUDA
+        order = (sdpa_kernel(SDPA_PRIORITY, set_priority=True) if q.is_cuda
+                 else contextlib.nullcontext())
+        with self._dropout_rng(), order:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, is_causal=causal, dropout_p=self._dropout_p(),
                 scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])
