@@ -62,7 +62,7 @@ def parse(argv=None):
     args = parser.parse_args((argv if argv is not None else sys.argv[1:])[1:])
     args.data_path = args.data_path or ["unused"]
     args.train_iters = args.train_iters or 1
-    if args.cost_model == "analytic":
+    if args.cost_model in (None, "analytic"):     # the profile is what it checks
         args.cost_model = "profile"
     try:
         cfg = config_from_args(model[0], args, has_cuda=False)
