@@ -15,8 +15,7 @@ State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
   for a SendGradStart or for the local Backward(mb, s-1).
 * Send/Recv Start post torch.distributed isend/irecv with the shapes and dtype in the
   instruction, on one pipeline group per direction of traffic (distributed_setup.
-  pipeline_p2p_groups); on gloo a poster thread makes the calls, in plan order, so a post
-  that waits for gloo's per-peer lock does not stall compute. Finish is a plain `wait()`: the process group's own timeout and
+  pipeline_p2p_groups); Finish is a plain `wait()`: the process group's own timeout and
   watchdog catch a dead peer (a timed wait would block the host on NCCL), and the failure
   becomes a TransferError naming the peer. A send's tensors are released as
   soon as its Finish returns; a receive buffer is released by FreeBuffer.
@@ -93,12 +92,6 @@ class PipelineRuntime:
         self.timeout_s = timeout_s      # the process groups' timeout, for error messages only
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="micro-batch-tensors")
-        # gloo (CPU): one thread posts the isend / irecv calls, in plan order, so that a post
-        # that waits for gloo's per-peer lock (held by gloo's event-loop thread while it moves a
-        # message; ~0.1 ms quiet, up to tens of ms on a loaded CPU) never stalls compute. NCCL
-        # posts only enqueue work on the current stream: inline there.
-        self._poster = (ThreadPoolExecutor(1, thread_name_prefix="p2p-post")
-                        if pp_group is not None and self.device.type == "cpu" else None)
         self.prefetched: dict[int, Future] = {}
         self.reset(batch_provider, global_loss_tokens)
 
@@ -254,26 +247,13 @@ class PipelineRuntime:
             self._fail(instr, f"plan says shapes {instr.shapes}, tensors have {shapes}")
         op = dist.isend if send else dist.irecv
         peer, group = self._route(instr.peer, send)
-        if self._poster is not None:       # gloo: posted by the poster thread, in plan order
-            works = self._poster.submit(lambda: [op(t, peer, group=group) for t in tensors])
-        else:
-            try:
-                works = [op(t, peer, group=group) for t in tensors]
-            except RuntimeError as err:     # gloo fails at once when the peer is already gone
-                self._fail(instr, f"transfer with pipeline rank {instr.peer} could not start: "
-                                  f"{err}", TransferError)
-        self.live_buffers.add(instr.buffer)
-        self.pending[instr.buffer] = (instr, works, tensors)
-
-    def _posted(self, instr, works) -> list:
-        """The transfer's work handles, once the poster thread has posted them."""
-        if not isinstance(works, Future):
-            return works
         try:
-            return works.result()
+            works = [op(t, peer, group=group) for t in tensors]
         except RuntimeError as err:     # gloo fails at once when the peer is already gone
             self._fail(instr, f"transfer with pipeline rank {instr.peer} could not start: {err}",
                        TransferError)
+        self.live_buffers.add(instr.buffer)
+        self.pending[instr.buffer] = (instr, works, tensors)
 
     def send_start(self, instr) -> None:
         key = (instr.mb, instr.stage)
@@ -301,7 +281,7 @@ class PipelineRuntime:
         started, works, tensors = self.pending.pop(instr.buffer)
         if (started.mb, started.stage, started.peer) != (instr.mb, instr.stage, instr.peer):
             self._fail(instr, f"buffer {instr.buffer} holds the transfer of {started}")
-        self._wait(instr, self._posted(instr, works))
+        self._wait(instr, works)
         key = (instr.mb, instr.stage)
         if isinstance(instr, RecvActivationFinish):
             self.received_activations[key] = tensors
@@ -337,12 +317,10 @@ class PipelineRuntime:
         self.batches.clear()
 
     def close(self) -> None:
-        """Stop the tensor-building and posting threads (pending micro-batches are dropped)."""
+        """Stop the tensor-building thread (pending micro-batches are dropped)."""
         for future in self.prefetched.values():
             future.cancel()
         self._builder.shutdown(wait=False)
-        if self._poster is not None:
-            self._poster.shutdown(wait=False)
 
 
 class HandlerTable(dict):
