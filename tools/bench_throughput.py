@@ -491,15 +491,19 @@ def ratio_text(row: dict) -> str:
     return f"{ratio:.2f}x" if ratio is not None else "n/a (no packing row)"
 
 
+def table_order(rows: list[dict]) -> list[dict]:
+    """Rows by model, max length, then strategy in STRATEGIES order."""
+    order = {s: i for i, s in enumerate(STRATEGIES)}
+    return sorted(rows, key=lambda r: (r["model"], r["max_len"], order.get(r["strategy"], 99)))
+
+
 def measured_table(rows: list[dict]) -> list[str]:
     """Markdown rows of the measured runs, grouped by model and max length."""
     out = ["| model | max len | strategy | rows/mb | tokens/s | MFU | vs packing | pad eff enc/dec | "
            "micro-batches | recompute | schedule | plan ms | plan wait ms | peak MiB/rank | "
            "s/iter |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
-    order = {s: i for i, s in enumerate(STRATEGIES)}
-    for r in sorted(rows, key=lambda r: (r["model"], r["max_len"],
-                                         order.get(r["strategy"], 99))):
+    for r in table_order(rows):
         if "error" in r:
             out.append(f"| {r['model']} | {r['max_len']} | {r['strategy']} | | failed: "
                        f"{r['error'][:120].replace('|', '/')} | | | | | | | | | | |")
@@ -543,9 +547,7 @@ def mfu_table(rows: list[dict]) -> list[str]:
            "other compute (non-GEMM, GEMM below peak, recompute) | descheduled (other "
            "processes) | host | optimizer |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    order = {s: i for i, s in enumerate(STRATEGIES)}
-    for r in sorted(rows, key=lambda r: (r["model"], r["max_len"],
-                                         order.get(r["strategy"], 99))):
+    for r in table_order(rows):
         parts = r.get("mfu_breakdown")
         if parts:
             out.append(f"| {r['model']} | {r['max_len']} | {r['strategy']} | " +

@@ -109,13 +109,7 @@ class FlexTPBlock(torch.nn.Module):
 
     def set_drops(self, units) -> None:
         """Skip these local units until the next call (ZERO-resizing); () computes all."""
-        mine = self.units()
-        bad = sorted(set(units) - set(mine))
-        if bad:
-            raise ValueError(f"set_drops: units {bad} are not on rank {self.rank} ({mine})")
-        if len(set(units)) >= len(mine):
-            raise ValueError(f"set_drops: rank {self.rank} must keep at least one unit")
-        self.drops = tuple(sorted(set(units)))
+        self.drops = checked_drops(units, self.units(), self.rank)
 
     def set_partition(self, partition: Partition) -> None:
         """After migration moved the tensors: new ownership, no drops, fresh imputation state."""
@@ -244,3 +238,13 @@ def init_full(hidden: int, num_units: int, per_col: int, per_row: int,
             "row_weight": torch.randn(hidden, num_units * per_row, generator=generator)
             * std / math.sqrt(2 * num_layers),
             "row_bias": torch.zeros(hidden)}
+
+
+def checked_drops(units, mine, rank: int) -> tuple:
+    """`units` as a sorted drop set, if all are this rank's and at least one unit stays."""
+    bad = sorted(set(units) - set(mine))
+    if bad:
+        raise ValueError(f"set_drops: units {bad} are not on rank {rank} ({mine})")
+    if len(set(units)) >= len(mine):
+        raise ValueError(f"set_drops: rank {rank} must keep at least one unit")
+    return tuple(sorted(set(units)))

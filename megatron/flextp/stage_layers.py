@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_from_tensor_model_parallel_region)
 
 from dynapipe_ext.flextp.partition import Partition, even_partition
-from megatron.flextp.layers import COMM
+from megatron.flextp.layers import COMM, checked_drops
 
 KINDS = ("attn", "mlp")
 
@@ -85,13 +85,7 @@ class FlexPair:
 
     def set_drops(self, units) -> None:
         """Skip these of this rank's units until the next call (ZERO-resizing)."""
-        mine = self.units()
-        bad = sorted(set(units) - set(mine))
-        if bad:
-            raise ValueError(f"set_drops: units {bad} are not on rank {self.rank} ({mine})")
-        if len(set(units)) >= len(mine):
-            raise ValueError(f"set_drops: rank {self.rank} must keep at least one unit")
-        self.drops = tuple(sorted(set(units)))
+        self.drops = checked_drops(units, self.units(), self.rank)
         self._refresh()
 
     def set_partition(self, partition: Partition) -> None:
