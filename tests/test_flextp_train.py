@@ -33,3 +33,34 @@ def test_switch_straggler_is_detected_and_migrated_away(monkeypatch):
 def test_bad_mode_is_rejected_by_the_flag():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tp-balance", "fast"])
+
+
+def test_held_out_loss_computes_every_unit():
+    """--eval-iters: the trained weights' loss on held-out batches with skips cleared, equal
+    to the same model's loss with no unit ever skipped, and not the resized forward's."""
+    import torch
+    from dynapipe_ext.flextp.partition import even_partition
+    from megatron.flextp.model import FlexGPT, FlexGPTConfig
+    from megatron.flextp.train import EVAL_SEED, byte_batches, evaluate
+    argv = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--flextp-ffn-unit", "16",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--eval-iters", "2"]
+    args = build_parser().parse_args(argv)
+    cfg = FlexGPTConfig(hidden=64, ffn=128, ffn_unit=16, num_heads=4, seq_length=32)
+    parts = {"attn": even_partition(4, 1), "mlp": even_partition(8, 1)}
+
+    def held_out_batches():
+        data = byte_batches(32, 2, EVAL_SEED)
+        return [next(data) for _ in range(2)]
+    full = FlexGPT(cfg, parts, 0, seed=7)
+    with torch.no_grad():
+        expected = sum(full(*b).item() for b in held_out_batches()) / 2
+    resized = FlexGPT(cfg, parts, 0, seed=7)
+    with torch.no_grad():
+        resized(*held_out_batches()[0])          # the imputation's last computed values
+        for block in resized.blocks("mlp") + resized.blocks("attn"):
+            block.set_drops((0, 1))
+        skipped = sum(resized(*b).item() for b in held_out_batches()) / 2
+    assert evaluate(resized, args) == pytest.approx(expected, rel=1e-6)
+    assert all(b.drops == () for b in resized.blocks("mlp") + resized.blocks("attn"))
+    assert abs(skipped - expected) > 1e-4

@@ -220,6 +220,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234, help="first seed of --loss-seeds")
     p.add_argument("--final-window", type=int, default=20,
                    help="--loss-seeds: iterations averaged into the final loss")
+    p.add_argument("--eval-iters", type=int, default=20,
+                   help="--loss-seeds: held-out batches for the trained weights' loss (every "
+                        "unit computed)")
     args = p.parse_args()
     if args.loss_seeds:
         return loss_main(args)
@@ -253,34 +256,48 @@ def main() -> None:
 LOSS_RUNS = (("no straggler", "off", ""), ("resize", "resize", "1:2"), ("semi", "semi", "1:2"))
 
 
-def loss_runs(seeds, iters: int) -> dict[str, dict[int, list[float]]]:
-    """Per configuration and seed, the per-iteration losses (configurations take turns per
-    seed, so a drifting machine load cannot favour one; it does not touch the losses anyway)."""
+def loss_runs(seeds, iters: int, eval_iters: int) -> tuple[dict, dict]:
+    """Per configuration and seed, the per-iteration losses and the held-out loss of the
+    trained weights with every unit computed (configurations take turns per seed, so a
+    drifting machine load cannot favour one; it does not touch the losses anyway)."""
     out = {name: {} for name, _, _ in LOSS_RUNS}
+    held_out = {name: {} for name, _, _ in LOSS_RUNS}
     for seed in seeds:
         for name, mode, slow in LOSS_RUNS:
-            recs = run(f"{name} seed {seed}", mode, iters, slow, extra=("--seed", str(seed)))
+            recs = run(f"{name} seed {seed}", mode, iters, slow,
+                       extra=("--seed", str(seed), "--eval-iters", str(eval_iters)))
             out[name][seed] = [r["loss"] for r in recs]
-    return out
+            held_out[name][seed] = recs[-1]["eval_loss"]
+    return out, held_out
 
 
-def loss_table(losses: dict, window: int) -> tuple[str, dict]:
+def loss_table(losses: dict, window: int, held_out: dict | None = None) -> tuple[str, dict]:
     """Final losses (mean of the last `window` iterations, and the last iteration alone) per
-    configuration and seed, and each one relative to the no-straggler run of its seed."""
+    configuration and seed, each relative to the no-straggler run of its seed; with
+    `held_out`, also the trained weights' held-out loss (every unit computed) the same way."""
     base = losses["no straggler"]
     seeds = sorted(base)
-    rows = ["| run | final loss per seed (mean of last " + str(window) + ") | mean | vs no "
-            "straggler per seed | mean | last iteration alone, vs no straggler |",
-            "|---|---|---|---|---|---|"]
+    head = ("| run | final loss per seed (mean of last " + str(window) + ") | mean | vs no "
+            "straggler per seed | mean | last iteration alone, vs no straggler |")
+    if held_out:
+        head += " held-out loss per seed | vs no straggler per seed | mean |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
     summary = {}
     for name, per_seed in losses.items():
         final = [statistics.mean(per_seed[s][-window:]) for s in seeds]
         rel = [f / statistics.mean(base[s][-window:]) - 1 for f, s in zip(final, seeds)]
         last = [per_seed[s][-1] / base[s][-1] - 1 for s in seeds]
         summary[name] = {"final": final, "relative": rel, "last_relative": last}
-        rows.append(f"| {name} | {', '.join(f'{f:.4f}' for f in final)} | "
-                    f"{statistics.mean(final):.4f} | {', '.join(f'{r:+.2%}' for r in rel)} | "
-                    f"{statistics.mean(rel):+.2%} | {', '.join(f'{r:+.2%}' for r in last)} |")
+        row = (f"| {name} | {', '.join(f'{f:.4f}' for f in final)} | "
+               f"{statistics.mean(final):.4f} | {', '.join(f'{r:+.2%}' for r in rel)} | "
+               f"{statistics.mean(rel):+.2%} | {', '.join(f'{r:+.2%}' for r in last)} |")
+        if held_out:
+            ev = [held_out[name][s] for s in seeds]
+            ev_rel = [e / held_out["no straggler"][s] - 1 for e, s in zip(ev, seeds)]
+            summary[name].update(held_out=ev, held_out_relative=ev_rel)
+            row += (f" {', '.join(f'{e:.4f}' for e in ev)} | "
+                    f"{', '.join(f'{r:+.2%}' for r in ev_rel)} | {statistics.mean(ev_rel):+.2%} |")
+        rows.append(row)
     return "\n".join(rows), summary
 
 
@@ -310,13 +327,16 @@ def loss_doc_text(args, table: str, summary: dict, load: dict) -> str:
     again = (" (this text re-rendered from its saved runs with `--reuse-runs "
              "docs/bench_flextp_loss.json`)" if args.reuse_runs else "")
     return f"""Run on {datetime.date.today()} with `python tools/bench_flextp.py --loss-seeds \
-{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --write-doc`{again} (1-minute \
+{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --eval-iters \
+{args.eval_iters} --write-doc`{again} (1-minute \
 load average {load['before']:.1f} before, {load['after']:.1f} after): the FlexGPT and data of the \
 section above, {args.iters} iterations per run, seeds {seeds} (model initialisation and data \
 order; the no-straggler and straggler runs of a seed see the same batches), resize and semi \
 under the steady 2x straggler (`FLEXTP_SLOWDOWN=1:2`). Final loss: the mean over the last \
 {args.final_window} iterations; the last column shows how far a single iteration's loss would \
-move the comparison. The no-straggler runs' final losses spread by {spread:.1%} across seeds \
+move the comparison. Held-out loss: the trained weights' mean loss over {args.eval_iters} batches \
+of held-out samples (the same for every run) with every unit computed, i.e. what the training \
+run is worth, without the skips' approximation of the forward pass. The no-straggler runs' final losses spread by {spread:.1%} across seeds \
 (their batches differ too, so only the paired columns compare like with like). Raw losses: \
 `docs/bench_flextp_loss.json`.
 
@@ -333,14 +353,16 @@ def loss_main(args) -> None:
         saved = json.loads(Path(args.reuse_runs).read_text())
         losses = {name: {int(s): v for s, v in runs.items()}
                   for name, runs in saved["losses"].items()}
+        held_out = {name: {int(s): v for s, v in runs.items()}
+                    for name, runs in saved.get("held_out", {}).items()}
         load = saved["load"]
     else:
-        losses = loss_runs(seeds, args.iters)
+        losses, held_out = loss_runs(seeds, args.iters, args.eval_iters)
         load["after"] = os.getloadavg()[0]
-    table, summary = loss_table(losses, args.final_window)
+    table, summary = loss_table(losses, args.final_window, held_out)
     (docs / "bench_flextp_loss.json").write_text(json.dumps(
-        {"losses": losses, "summary": summary, "load": load, "iters": args.iters,
-         "window": args.final_window}))
+        {"losses": losses, "held_out": held_out, "summary": summary, "load": load,
+         "iters": args.iters, "window": args.final_window, "eval_iters": args.eval_iters}))
     plot_loss_seeds(losses, docs / "flextp_loss_seeds.png")
     print(table)
     if args.write_doc:

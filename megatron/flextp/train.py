@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flextp-min-horizon", type=int, default=20)
     p.add_argument("--pin-cores", action="store_true",
                    help="pin TP rank r to CPU core r (for the taskset contention runs)")
+    p.add_argument("--eval-iters", type=int, default=0,
+                   help="after training, the mean loss of this many held-out batches with every "
+                        "unit computed (no skips): what the trained weights are worth")
     p.add_argument("--log-json", default=None, help="rank 0 writes the per-iteration records")
     return p
 
@@ -70,6 +73,20 @@ def byte_batches(seq_length: int, batch: int, seed: int):
                 del stream[:batch * (seq_length + 1)]
                 yield chunk[:, :-1], chunk[:, 1:]
         n += 1
+
+
+EVAL_SEED = 10**6   # held-out data: the same batches for every run and seed
+
+
+def evaluate(model, args) -> float:
+    """Mean loss of `args.eval_iters` held-out batches, every unit computed (skips cleared)."""
+    for kind in ("attn", "mlp"):
+        for block in model.blocks(kind):
+            block.set_drops(())
+    data = byte_batches(args.seq_length, args.micro_batch_size, EVAL_SEED)
+    with torch.no_grad():
+        losses = [model(*next(data)).item() for _ in range(args.eval_iters)]
+    return sum(losses) / len(losses)
 
 
 def train(args, on_iteration=None) -> list[dict]:
@@ -114,6 +131,8 @@ def train(args, on_iteration=None) -> list[dict]:
                                   for k in ("attn", "mlp")},
                       drops_now={k: list(v) for k, v in balancer.drop_counts.items()})
         records.append(record)
+    if args.eval_iters:
+        records[-1]["eval_loss"] = evaluate(model, args)
     return records
 
 
@@ -125,8 +144,10 @@ def main(argv=None) -> None:
         records = train(args)
         if dist.get_rank() == 0:
             last = records[-1]
+            held_out = (f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last
+                        else "")
             print(f"[flextp] {args.tp_balance}: {len(records)} iterations, final loss "
-                  f"{last['loss']:.4f}, mlp units per rank {last['counts_now']['mlp']}")
+                  f"{last['loss']:.4f}{held_out}, mlp units per rank {last['counts_now']['mlp']}")
             if args.log_json:
                 with open(args.log_json, "w") as f:
                     json.dump(records, f)
