@@ -106,7 +106,11 @@ class AnalyticCostModel(CostModel):
     handlers hold it for autograd). `full_recompute` says how 'full' recomputes: "layer", one
     checkpoint per transformer layer (megatron-core on GPU), or "stage", the whole stage in one
     checkpoint (the trainer's CPU path): it keeps only the stage's input and output, and its
-    backward re-materialises every layer of the stage at once. Shapes longer than
+    backward re-materialises every layer of the stage at once. `sigmoid_gelu`: the MLP's tanh
+    GeLU runs as x * sigmoid(2z) (megatron/model/stages.py, fp32 on CPU): it saves only its
+    input for backward, as torch's kernel does, but its backward holds two [tokens, ffn]
+    temporaries more (sigmoid and du/dx beside the result; measured in
+    tests/test_memory_bench.py), counted in the transient bytes. Shapes longer than
     `max_seq_len` / `max_dec_seq_len` are infeasible."""
 
     def __init__(self, spec: ModelSpec, tp: int = 1, device_flops: float = 1e12,
@@ -115,7 +119,7 @@ class AnalyticCostModel(CostModel):
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
                  half_rate_tokens: float = 512.0, num_stages: int = 1,
                  dropout: bool = False, full_recompute: str = "layer",
-                 fused_attention: bool = True):
+                 fused_attention: bool = True, sigmoid_gelu: bool = False):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
@@ -137,6 +141,7 @@ class AnalyticCostModel(CostModel):
         self.dropout = dropout
         self.full_recompute = full_recompute
         self.fused_attention = fused_attention
+        self.sigmoid_gelu = sigmoid_gelu
 
     # ---- model states
     @property
@@ -190,6 +195,7 @@ class AnalyticCostModel(CostModel):
         # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
         # call with that mask, attention.SDPAttention._biased), kept for backward
         biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
+        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0   # per token
         if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             if kind == DEC_LAYER:
                 lin = 2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp
@@ -202,7 +208,7 @@ class AnalyticCostModel(CostModel):
                     + biased * dt * a * b * d * d / tp
                 score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
                 layer_in = dt * b * d * h
-                ffn = dt * b * d * f * (m - 1) / tp
+                ffn = dt * b * d * f * (m - 1) / tp + gelu_temps * b * d
             else:
                 lin = 2 * b * s * (4 * h * h + m * h * f) / tp
                 att = 4 * b * s * s * h / tp
@@ -213,7 +219,7 @@ class AnalyticCostModel(CostModel):
                     + biased * dt * a * b * s * s / tp
                 score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
                 layer_in = dt * b * s * h
-                ffn = dt * b * s * f * (m - 1) / tp
+                ffn = dt * b * s * f * (m - 1) / tp + gelu_temps * b * s
             transient = 2 * score + ffn
             if recompute == "none":
                 return lin + att, zero, kept_lin + kept_att, transient

@@ -75,6 +75,7 @@ def test_the_cost_model_gets_the_device_precision_and_optimizer_layout():
     config = planner_config(cfg, model_spec(cfg, 50257), dp=4)
     model = build_cost_model(config.cost_model, config.spec, config.tp, config.pp)
     assert model.dtype_bytes == 2 and model.device_flops == 4e14
+    assert not model.sigmoid_gelu       # bf16: torch's GeLU kernel on any device
     assert model.bytes_per_param_state == 18               # bf16 layout; DP reduces in place
     assert model.device_mem_bytes == (80 - 2) * GIB        # headroom kept
     assert model.activation_memory_limit(2) == pytest.approx(
@@ -82,8 +83,10 @@ def test_the_cost_model_gets_the_device_precision_and_optimizer_layout():
                             for kinds in config.spec.stage_layers(2)))
     fp32 = parse_args_sized("gpt", ["--data-path", "x", "--device-memory-gb", "8",
                               "--device-flops", "1e11"], has_cuda=False)
-    assert build_cost_model(planner_config(fp32, model_spec(fp32, 500), dp=1).cost_model,
-                            model_spec(fp32, 500), 1, 1).dtype_bytes == 4
+    fp32_model = build_cost_model(planner_config(fp32, model_spec(fp32, 500), dp=1).cost_model,
+                                  model_spec(fp32, 500), 1, 1)
+    assert fp32_model.dtype_bytes == 4
+    assert fp32_model.sigmoid_gelu      # fp32 on this CPU: stages.gelu_tanh's sigmoid path
 
 
 def test_state_bytes_per_param_count_what_the_optimizer_holds():

@@ -100,7 +100,10 @@ keeps no s x s tensor for backward; the model counts only its float32 log-sum-ex
 'selective' recompute saves almost nothing. Full recompute is modelled as the runtime runs it on
 every device (`full_recompute="stage"`: one torch.utils.checkpoint over the whole stage, whose
 backward re-materialises every layer at once), so it lowers what a rank keeps between forward
-and backward but not much the backward peak. The same comparison against
+and backward but not much the backward peak. The model counts the two [tokens, ffn]
+temporaries the backward of the CPU fp32 GeLU holds (x * sigmoid(2z), megatron/model/stages.py;
+the cost model's `sigmoid_gelu`): without them its predictions were 0.81-0.93 of these
+measurements. The same comparison against
 `torch.cuda.max_memory_allocated` is in the GPU suite (tests/test_gpu.py), which has not run
 yet.
 """

@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project virtualenv at .venv and installs requirements.txt into it.
 # torch==2.13.0 goes in first: a later unpinned requirement then finds it satisfied.
+# Sourced (`source tools/setup_env.sh`), it runs that set-up as a child bash and then puts .venv's
+# python on PATH and the repository on PYTHONPATH; the caller's shell options are left as they
+# were (strict mode stays inside the set-up): an interactive shell survives a failed set-up
+# (status 1), a caller with `set -e` stops on it.
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+  _setup_env_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  bash "$_setup_env_repo/tools/setup_env.sh" || { unset _setup_env_repo; return 1; }
+  export PATH="$_setup_env_repo/.venv/bin:$PATH"
+  export PYTHONPATH="$_setup_env_repo${PYTHONPATH:+:$PYTHONPATH}"
+  unset _setup_env_repo
+  return 0
+fi
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo/.venv"
@@ -18,5 +30,3 @@ else
     || { echo "[setup] install failed: see pip output above" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
-export PATH="$venv/bin:$PATH"
-export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"

@@ -99,7 +99,8 @@ class _SigmoidGeluTanh(torch.autograd.Function):
     function: 0.5 (1 + tanh z) = sigmoid(2 z)), in a few in-place passes. torch's vectorised
     tanh is slow on CPU: at [1100, 1024] fp32, one thread, F.gelu(approximate="tanh") took
     4.0 ms forward and 4.0 ms backward on this project's CPU, this 1.7 and 3.5 ms. Keeps only
-    its input for backward, as F.gelu does (same activation memory)."""
+    its input for backward, as F.gelu does (same kept activations); its backward holds two
+    [tokens, ffn] temporaries more than F.gelu's (AnalyticCostModel's `sigmoid_gelu`)."""
 
     @staticmethod
     def forward(ctx, x):

@@ -231,6 +231,7 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
             bytes_per_param_state=states, dtype_bytes=2 if cfg.bf16 else 4,
             max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
             full_recompute="stage",   # run_stage_forward: one checkpoint per stage, any device
+            sigmoid_gelu=figures.kind == "cpu" and not cfg.bf16,   # stages.gelu_tanh's path
             **dropout_options(cfg, figures.kind))
     path = profile_cache_path(cfg, spec) if cfg.cost_model == "profile" else cfg.cost_model
     # shapes shorter than the grid are bounded by its first point, more rows scaled (the

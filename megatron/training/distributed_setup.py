@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import operator
 import os
+import socket
 from dataclasses import dataclass
 from functools import reduce
 
@@ -100,13 +101,35 @@ def seed_everything(seed: int, on_gpu: bool | None = None) -> None:
                         use_cuda() if on_gpu is None else on_gpu)
 
 
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound on the loopback only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rendezvous_url(world_size: int) -> str:
+    """torch.distributed's init_method: "env://" when MASTER_ADDR and MASTER_PORT are set
+    (torchrun, or the user), else tcp:// on the given address or 127.0.0.1 and the given port,
+    a free local one for a world of one process, or 29500 (every rank must agree). Nothing goes
+    into os.environ, so subprocesses started later do not inherit a port this process holds."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        return "env://"
+    addr = addr or "127.0.0.1"
+    port = port or str(free_local_port() if world_size == 1 else 29500)
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr   # IPv6 literal
+    return f"tcp://{host}:{port}"
+
+
 def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
                          timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
                          total_layers: int | None = None, num_stages: int | None = None,
                          vocab_size: int | None = None,
                          num_attention_heads: int | None = None) -> ParallelLayout:
-    """Start torch.distributed (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR/PORT, as set by
-    torchrun) if needed, check the layout, build megatron-core's groups and seed.
+    """Start torch.distributed (RANK, WORLD_SIZE, MASTER_ADDR/PORT as set by torchrun; without
+    them a world of one on a free local port, see rendezvous_url) if needed, check the layout,
+    build megatron-core's groups and seed.
     Raises ValueError on every rank, before any collective, when the sizes do not fit."""
     world_size = dist.get_world_size() if dist.is_initialized() else int(
         os.environ.get("WORLD_SIZE", "1"))
@@ -121,9 +144,8 @@ def setup_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=rendezvous_url(world_size), rank=rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     # megatron-core turns this into timedelta(minutes=...), so a fraction of a minute works too.
     timeout_min = timeout_s / 60.0

@@ -114,7 +114,8 @@ def predicted_vs_measured(spec: ModelSpec, lengths, max_seq_len: int, max_dec_se
     is_t5 = spec.model == "t5"
     cost = AnalyticCostModel(spec, dtype_bytes=4, max_seq_len=max_seq_len,
                              max_dec_seq_len=max_dec_seq_len if is_t5 else None, num_stages=pp,
-                             full_recompute="stage")    # run_stage_forward, every device
+                             full_recompute="stage",    # run_stage_forward, every device
+                             sigmoid_gelu=True)         # gelu_tanh's CPU fp32 path
     planner = PlannerConfig(model=spec.model, max_seq_len=max_seq_len,
                             max_dec_seq_len=max_dec_seq_len if is_t5 else 0,
                             pipeline_stages=pp, recompute_modes=(recompute,))
