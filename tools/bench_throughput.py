@@ -95,7 +95,9 @@ def cost_model_options(job: dict) -> dict:
     rank (the planners' memory limit for every strategy alike)."""
     return {"device_flops": float(job["device_flops"]),
             "device_mem_bytes": float(job["memory_gib"]) * 2**30,
-            "dtype_bytes": 2 if job.get("bf16") else 4}
+            "dtype_bytes": 2 if job.get("bf16") else 4,
+            # stages.gelu_tanh's CPU fp32 path keeps two more [tokens, ffn] temporaries
+            "sigmoid_gelu": job.get("device") != "cuda" and not job.get("bf16")}
 
 
 # ============================================================================ planning setup
