@@ -88,8 +88,6 @@ def test_resize_skips_straggler_units_and_keeps_collective_shapes(sp_dataset,  #
 
 @pytest.mark.parametrize("extra, message", [
     (["--tp-balance", "migrate"], "needs --tensor-model-parallel-size >= 2"),
-    (["--tp-balance", "resize", "--tensor-model-parallel-size", "2", "--save", "x"],
-     "cannot --save or --load"),
     (["--tp-balance", "resize", "--tensor-model-parallel-size", "2",
       "--flextp-initial-speeds", "1,0.5"], "needs --tp-balance migrate or semi"),
     (["--tp-balance", "migrate", "--tensor-model-parallel-size", "2",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe_ext.flextp.detector import StragglerDetector
-from dynapipe_ext.flextp.partition import proportional_counts, rebalance
+from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
 from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
 from dynapipe_ext.flextp.resize import choose_drops, max_drops
 from megatron.flextp.balance import measure_bandwidth
@@ -88,6 +88,29 @@ class StageBalancer:
         finally:
             for p, drops in saved:
                 p.set_drops(drops)
+
+    @contextlib.contextmanager
+    def even_layout(self):
+        """Megatron's even partition inside the block, the layout of a checkpoint: units move
+        back with their fp32 main copies and Adam moments, so each slotted parameter holds this
+        rank's even shard in its leading `tp_shard_size` entries and zeros after (what
+        --save writes and --load fills, as an ordinary TP run's). After the block the units
+        move to the partition of before and its skips and imputation state come back, exactly
+        (migration copies). Collective within every TP group. An error inside the block ends
+        the run (as a failed save or load does), so nothing is restored then."""
+        before = {kind: (ps[0].partition, [(p, p.drops, p.contrib.clone()) for p in ps])
+                  for kind, ps in self.pairs.items() if ps}
+        for kind, (part, _) in before.items():
+            even = even_partition(part.num_units, self.tp)
+            if part != even:
+                migrate_pairs(self.pairs[kind], self.optimizer, even, self.group)
+        yield
+        for kind, (part, saved) in before.items():
+            if self.pairs[kind][0].partition != part:
+                migrate_pairs(self.pairs[kind], self.optimizer, part, self.group)
+                for p, drops, contrib in saved:
+                    p.contrib.copy_(contrib)
+                    p.set_drops(drops)
 
     def begin(self) -> None:
         """Start of an iteration: clear the pairs' timers."""

@@ -18,6 +18,10 @@ fewer units (attention: fewer heads, the module's per-partition head counts foll
 linear adds each skipped unit's last computed token-mean contribution (imputation) before the
 all-reduce, whose shape stays [s, b, hidden].
 
+Checkpoints: each slotted parameter carries `tp_shard_size`, its even shard's length, and
+--save / --load run inside StageBalancer.even_layout (the even partition: those leading entries
+hold the even shard), so the files are those of an ordinary TP run (megatron/model/full_state.py).
+
 Timing: each pair measures the wall time from its column input to its row all-reduce (the TP
 compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
 what the straggler detector needs; on CUDA both ends synchronise. FLEXTP_SLOWDOWN=RANK:FACTOR
@@ -211,7 +215,11 @@ def _burn(factor: int, out: torch.Tensor, once) -> None:
 
 def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.nn.Parameter:
     """A parameter of `cap` slots along `axis` holding `param` in its first slots, zeros after,
-    with the attributes megatron set on `param` (tensor_model_parallel, partition_dim, ...)."""
+    with the attributes megatron set on `param` (tensor_model_parallel, partition_dim, ...) and
+    `tp_shard_size`, the even shard's length, so checkpoints hold the even shard alone
+    (megatron/model/full_state.py, "Spare capacity")."""
+    if not (getattr(param, "tensor_model_parallel", False) and param.partition_dim == axis):
+        raise ValueError(f"FlexTP: a slotted parameter must be TP-split along axis {axis}")
     shape = list(param.shape)
     shape[axis] = cap * per
     data = torch.zeros(shape, dtype=param.dtype, device=param.device)
@@ -219,6 +227,7 @@ def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.
     fresh = torch.nn.Parameter(data, requires_grad=param.requires_grad)
     for name, value in vars(param).items():
         setattr(fresh, name, value)
+    fresh.tp_shard_size = param.shape[axis]
     return fresh
 
 

@@ -10,6 +10,12 @@ A shard is a plain dict (weights_only-loadable): {"tensor", "dim", "index", "cou
 is chunk `index` of `count` equal chunks of the full tensor along `dim` (dim -1 and count 1
 for an unsplit parameter). A gated MLP's fc1 shard also has "halves": 2: the tensor is the
 same chunk of the gate half and of the up half (init_weights.tp_slice).
+
+Spare capacity: a TP-split parameter may be longer along its partition_dim than its TP shard
+(FlexTP's fixed-size slots, megatron/flextp/stage_layers.py); its `tp_shard_size` attribute then
+says how many leading entries hold the shard. Shards are saved from and loaded into those
+entries only (`shard_view`); the caller keeps the even layout there while it saves or loads
+(FlexTP: StageBalancer.even_layout) and the rest at zero.
 """
 from __future__ import annotations
 
@@ -20,11 +26,32 @@ import torch
 from megatron.model.init_weights import full_shape, tp_slice
 
 
+def shard_view(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` (parameter `like`, or optimizer state shaped like it) that holds
+    its TP shard: all of it, or the leading `like.tp_shard_size` entries along partition_dim of
+    a parameter with spare capacity (a view)."""
+    size = getattr(like, "tp_shard_size", None)
+    return tensor if size is None else tensor.narrow(like.partition_dim, 0, size)
+
+
+def shaped_like(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A new tensor shaped like parameter `like` holding `part` (its TP shard) where
+    `shard_view` finds it, zero elsewhere."""
+    if getattr(like, "tp_shard_size", None) is None:
+        return part.clone()
+    out = part.new_zeros(like.shape)
+    shard_view(out, like).copy_(part)
+    return out
+
+
 def shard_of(tensor: torch.Tensor, like: torch.Tensor, tp_rank: int, tp_size: int) -> dict:
     """`tensor` (this rank's part of a parameter, or of optimizer state shaped like it) as a
     shard, split the way parameter `like` is (megatron's tensor_model_parallel attributes)."""
     split = getattr(like, "tensor_model_parallel", False) and tp_size > 1
-    shard = {"tensor": tensor.detach().cpu(),
+    tensor = tensor.detach()
+    if getattr(like, "tp_shard_size", None) is not None:   # a copy: not the whole storage
+        tensor = shard_view(tensor, like).clone()
+    shard = {"tensor": tensor.cpu(),
              "dim": int(like.partition_dim) if split else -1,
              "index": tp_rank if split else 0,
              "count": tp_size if split else 1}
@@ -114,7 +141,8 @@ def load_sharded_state(named_params: Iterable[tuple[str, torch.Tensor]],
                                            if len(problems) > 8 else "")
         raise ValueError(f"{where}: does not fit this model: {shown}")
     for name, param in named:
-        param.copy_(local_part(name, shards[name], param, tp_rank, tp_size).to(param.dtype))
+        shard_view(param, param).copy_(local_part(name, shards[name], param, tp_rank,
+                                                  tp_size).to(param.dtype))
     return len(named)
 
 

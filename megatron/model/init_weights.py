@@ -19,12 +19,15 @@ SCALED_INIT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    """Shape of the unsplit parameter (megatron marks TP-split ones with `partition_dim`)."""
+    """Shape of the unsplit parameter (megatron marks TP-split ones with `partition_dim`; a
+    parameter with spare capacity says its TP shard's length there, `tp_shard_size`)."""
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         if getattr(param, "partition_stride", 1) != 1:
             raise NotImplementedError("strided tensor-parallel partitions are not supported")
-        shape[param.partition_dim] *= tp_size
+        shard = getattr(param, "tp_shard_size", None)
+        shape[param.partition_dim] = (shape[param.partition_dim] if shard is None
+                                      else shard) * tp_size
     return tuple(shape)
 
 

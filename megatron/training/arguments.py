@@ -315,8 +315,6 @@ def flextp_problems(cfg: TrainConfig) -> list[str]:
     checks = [(cfg.tensor_model_parallel_size >= 2, "needs --tensor-model-parallel-size >= 2"),
               (cfg.model == "gpt", "supports GPT models only (pretrain_gpt.py)"),
               (not cfg.gated_linear_unit, "does not support --gated-gelu"),
-              (not (cfg.save or cfg.load), "cannot --save or --load yet (uneven shards are not "
-               "checkpointed)"),
               (cfg.flextp_interval >= 1, "needs --flextp-interval >= 1"),
               (cfg.flextp_patience >= 1, "needs --flextp-patience >= 1"),
               (cfg.flextp_ffn_unit >= 0, "needs --flextp-ffn-unit >= 0"),

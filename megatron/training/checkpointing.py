@@ -13,7 +13,9 @@
 and `DIR/latest_checkpointed_iteration.txt`. A loading rank reads common.pt, then only the shard
 files the index names for its own parameters (memory-mapped: only the bytes it uses are read),
 assembles and slices them for its TP rank. The model shape (layers, hidden size, heads, ...)
-must match, the layout need not. RNG states are restored on the same layout only; on another
+must match, the layout need not. A FlexTP run (--tp-balance) saves and loads in the even
+partition (training.checkpoint_layout; full_state.py, "Spare capacity"), so its files are those
+of an ordinary TP run. RNG states are restored on the same layout only; on another
 one rank 0 says so and every rank reseeds from --seed and the iteration. A checkpoint made by
 `save_model_only_checkpoint` (e.g. tools/convert_checkpoint.py) holds weights only and is
 loaded with --finetune (or --no-load-optim). Format 2 (per-rank, layout-bound) checkpoints

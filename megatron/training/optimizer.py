@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron.model.full_state import local_part, shard_of
+from megatron.model.full_state import local_part, shaped_like, shard_of, shard_view
 from megatron.training.grad_buffer import GradBuffer
 
 
@@ -279,10 +279,10 @@ class TrainOptimizer:
             def part(key):
                 return local_part(f"{name} ({key})", [e[key] for e in entries], p, tp_rank,
                                   tp_size).to(device=m.device, dtype=torch.float32)
-            self.adam.state[m] = {k: part(k).clone() for k in ADAM_MOMENTS}
+            self.adam.state[m] = {k: shaped_like(part(k), p) for k in ADAM_MOMENTS}
             self.adam.state[m]["step"] = entries[0]["step"].clone().to(m.device)
             if all("main" in e for e in entries):
-                m.copy_(part("main"))
+                shard_view(m, p).copy_(part("main"))
         self._copy_main_to_model()
 
 

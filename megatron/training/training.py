@@ -10,6 +10,7 @@ megatron/training/evaluation.py) and save.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -390,7 +391,9 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         flextp.optimizer = optimizer       # migration moves its main copies and moments
     start = 0
     if cfg.load:
-        start = agree_on_start(resume(cfg, data, stages, optimizer, layout), cfg.load, layout)
+        with checkpoint_layout(flextp):
+            done = resume(cfg, data, stages, optimizer, layout)
+        start = agree_on_start(done, cfg.load, layout)
     if cfg.save:
         checkpointing.prepare_save_dir(cfg.save, layout.rank)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
@@ -426,6 +429,12 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                               cfg.eval_interval, cfg.eval_iters, cfg.train_iters)
     return TrainingRun(cfg, data, layout, spec, stage_to_rank, stages, optimizer, handlers,
                        Executor(handlers), plans, logger, start, evaluator, flextp)
+
+
+def checkpoint_layout(flextp):
+    """Where a checkpoint is saved or loaded: in FlexTP's even partition (--tp-balance; the
+    format of an ordinary TP run's checkpoint), in place otherwise."""
+    return contextlib.nullcontext() if flextp is None else flextp.even_layout()
 
 
 def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -> int:
@@ -564,9 +573,10 @@ def gather_time_parts(history: list[IterationStats]) -> list[dict]:
 
 def save(run: TrainingRun, iterations_done: int) -> None:
     sampler_state = run.data.sampler.state_dict(run.data.sampler.consumed_before(iterations_done))
-    checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules, run.optimizer,
-                                  sampler_state, run.cfg, run.layout.rank, run.layout.world_size,
-                                  run.layout)
+    with checkpoint_layout(run.flextp):
+        checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules,
+                                      run.optimizer, sampler_state, run.cfg, run.layout.rank,
+                                      run.layout.world_size, run.layout)
     if run.layout.rank == 0:
         print(f"[train] saved checkpoint of iteration {iterations_done} to {run.cfg.save}",
               flush=True)
