@@ -147,3 +147,20 @@ def test_flex_adamw_is_torch_adamw():
         ref.step()
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(mine.fields(a)[1], ref.state[b]["exp_avg"])
+
+
+def test_skipped_units_stay_skipped_while_the_straggler_lasts():
+    """Priority: the smallest-norm units are skipped, and at the next decisions the same ones
+    again (they get no gradient; rotating them in and out was measured to cost loss)."""
+    one = {"attn": even_partition(CFG.num_heads, 1), "mlp": even_partition(CFG.mlp_units, 1)}
+    model = FlexGPT(CFG, one, 0)
+    opt = FlexAdamW(model.parameters(), lr=1e-2)
+    blocks = model.blocks("mlp")
+    first = apply_resize(blocks, 4, 0.25)
+    norms = blocks[0].unit_norms()
+    assert first[0] == tuple(sorted(sorted(range(len(norms)), key=norms.__getitem__)[:4]))
+    for tokens, labels in batches(3):
+        model(tokens, labels).backward()
+        opt.step(1e-2)
+        opt.zero_grad()
+        assert apply_resize(blocks, 4, 0.25) == first

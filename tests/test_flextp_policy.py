@@ -63,10 +63,6 @@ def test_resize_bound_and_priority():
     assert drop_counts((16, 16), (1.0, 0.9), 0.25) == (0, 2)
     assert drop_counts((16, 16), (1.0, 1.0), 0.25) == (0, 0)
     assert choose_drops((4, 5, 6, 7), (0.3, 0.1, 0.2, 0.1), 2) == (5, 7)
-    # units skipped in the last interval rest: the next smallest go instead, the rested ones
-    # only when too few others are left
-    assert choose_drops((4, 5, 6, 7), (0.3, 0.1, 0.2, 0.1), 2, rested=(5, 7)) == (4, 6)
-    assert choose_drops((4, 5, 6, 7), (0.3, 0.1, 0.2, 0.1), 3, rested=(5, 7)) == (4, 5, 6)
     with pytest.raises(ValueError, match="cannot drop"):
         choose_drops((1, 2), (0.1, 0.2), 2)
 

@@ -1,8 +1,8 @@
 """ZERO-resizing: a straggler skips a bounded number of its units for a while (no data moves).
 
 Priority: the units with the smallest weight norm go first (their output is the smallest by the
-norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least), except that a
-unit skipped in one interval is computed in the next when others can be skipped instead. Imputation is
+norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least); skipped units
+get no gradient and stay skipped while the straggler lasts (see choose_drops). Imputation is
 done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
 contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
 value. The bound `max_fraction` caps the share of a rank's units that may be skipped."""
@@ -28,17 +28,19 @@ def drop_counts(counts, speeds, max_fraction: float) -> tuple[int, ...]:
                  for c, s in zip(counts, speeds))
 
 
-def choose_drops(units, norms, n_drop: int, rested=()) -> tuple[int, ...]:
-    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending; units in
-    `rested` (skipped in the interval before) come last, so no unit is skipped two intervals
-    in a row unless there are too few others: a skipped unit gets no gradient and its imputed
-    contribution is only refreshed when it is computed, so a sticky choice (the smallest stay
-    the smallest, as they stop learning) would impute from ever older values."""
+def choose_drops(units, norms, n_drop: int) -> tuple[int, ...]:
+    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending. A skipped
+    unit gets no gradient, so it stays among the smallest and is skipped again at the next
+    decision: for as long as the straggler lasts the same units are left out and the other
+    units adapt around their imputed contributions. Rotating the skips instead (a unit skipped
+    in one interval computed in the next) was measured worse: over 8 seeds its final loss was
+    +1.2% against the no-straggler run, the sticky choice's -0.3% (docs/BENCHMARKS.md, "FlexTP:
+    loss over seeds"), as every swap perturbs the layer with units whose weights and imputed
+    contributions are stale."""
     units = list(units)
     if len(norms) != len(units):
         raise ValueError(f"choose_drops: {len(units)} units but {len(norms)} norms")
     if not 0 <= n_drop < len(units):
         raise ValueError(f"choose_drops: cannot drop {n_drop} of {len(units)} units")
-    rested = set(rested)
-    order = sorted(range(len(units)), key=lambda i: (units[i] in rested, norms[i], units[i]))
+    order = sorted(range(len(units)), key=lambda i: (norms[i], units[i]))
     return tuple(sorted(units[i] for i in order[:n_drop]))

@@ -40,7 +40,7 @@ def apply_resize(blocks, n_drop: int, max_fraction: float) -> list[tuple[int, ..
     out = []
     for b in blocks:
         n = min(n_drop, max_drops(len(b.units()), max_fraction))
-        b.set_drops(choose_drops(b.units(), b.unit_norms(), n, b.drops) if n else ())
+        b.set_drops(choose_drops(b.units(), b.unit_norms(), n) if n else ())
         out.append(b.drops)
     return out
 

@@ -182,7 +182,7 @@ class StageBalancer:
             rank_drops = decision.drops[self.layout.tp_rank]
             for p in ps:
                 n = min(rank_drops, max_drops(len(p.units()), self.max_fraction))
-                p.set_drops(choose_drops(p.units(), p.unit_norms(), n, p.drops) if n else ())
+                p.set_drops(choose_drops(p.units(), p.unit_norms(), n) if n else ())
             self.skips[kind] = [min(d, max_drops(c, self.max_fraction))
                                 for d, c in zip(decision.drops, decision.counts)]
             actions[kind] = decision.action
