@@ -206,13 +206,16 @@ def run_one(name: str, flags, slowdown: str, args, workdir: Path, tag: str) -> d
     return run
 
 
-def interleaved_runs(args) -> dict:
+def interleaved_runs(args, save) -> dict:
+    """Every configuration once per round; `save(runs)` after each run, so an interrupted
+    bench leaves what it measured (re-render it with --reuse-runs)."""
     runs = {name: [] for name, _, _ in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="bench_flextp_trainer_") as tmp:
         for k in range(args.rounds):
             order = CONFIGS[k % len(CONFIGS):] + CONFIGS[:k % len(CONFIGS)]
             for i, (name, flags, slowdown) in enumerate(order):
                 runs[name].append(run_one(name, flags, slowdown, args, Path(tmp), f"r{k}c{i}"))
+                save(runs)
     return runs
 
 
@@ -231,7 +234,9 @@ def command_line(args) -> str:
 
 def doc_text(meta: dict, table: str, summary: dict) -> str:
     m = meta["model"]
-    return f"""Run on {meta['date']} (commit {meta['commit']}) with `{meta['command']}`: \
+    again = (" (this text re-rendered from its saved runs with `--reuse-runs "
+             "docs/bench_flextp_trainer.json`)" if meta.get("reused") else "")
+    return f"""Run on {meta['date']} (commit {meta['commit']}) with `{meta['command']}`{again}: \
 `torchrun --nproc-per-node 2 pretrain_gpt.py`, TP=2 on gloo, CPU, fp32, rank r pinned to core r \
 (`taskset`), 2 cores shared with other jobs (1-minute load average {meta['load']['before']:.1f} \
 before, {meta['load']['after']:.1f} after; per run in the JSON). Model: GPT {m['num_layers']} \
@@ -270,6 +275,9 @@ def main() -> None:
     if args.reuse_runs:
         saved = json.loads(Path(args.reuse_runs).read_text())
         runs, meta = saved["runs"], saved["meta"]
+        runs = {name: r for name, r in runs.items() if r}   # an interrupted bench
+        meta["load"].setdefault("after", float("nan"))
+        meta["reused"] = True
     else:
         subprocess.run(["bash", "examples/prepare_data.sh"], cwd=REPO, check=True,
                        env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:"
@@ -278,7 +286,9 @@ def main() -> None:
                 "commit": git_commit(), "command": command_line(args), "model": MODEL,
                 "rounds": args.rounds, "iters": args.iters, "skip": args.skip,
                 "seed": args.seed, "load": {"before": os.getloadavg()[0]}}
-        runs = interleaved_runs(args)
+        out = docs / "bench_flextp_trainer.json"
+        runs = interleaved_runs(args, lambda r: out.write_text(json.dumps(
+            {"meta": meta, "runs": r, "partial": True})))
         meta["load"]["after"] = os.getloadavg()[0]
     summary = summarize(runs, meta["skip"])
     table = render_table(summary)
