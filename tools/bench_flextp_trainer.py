@@ -18,6 +18,8 @@ line in the log. Writes docs/bench_flextp_trainer.json and, with --write-doc, th
 "flextp-trainer" section of docs/BENCHMARKS.md.
 
     python tools/bench_flextp_trainer.py [--rounds 3] [--iters 50] [--skip 15] [--write-doc]
+    python tools/bench_flextp_trainer.py --reuse-runs docs/bench_flextp_trainer.json \
+        [--more-rounds 1] [--write-doc]
 """
 from __future__ import annotations
 
@@ -206,12 +208,13 @@ def run_one(name: str, flags, slowdown: str, args, workdir: Path, tag: str) -> d
     return run
 
 
-def interleaved_runs(args, save) -> dict:
-    """Every configuration once per round; `save(runs)` after each run, so an interrupted
-    bench leaves what it measured (re-render it with --reuse-runs)."""
-    runs = {name: [] for name, _, _ in CONFIGS}
+def interleaved_runs(args, save, runs=None, first: int = 0, rounds: int = 0) -> dict:
+    """Every configuration once per round, rounds first..first+rounds-1 added to `runs`;
+    `save(runs)` after each run, so an interrupted bench leaves what it measured (re-render it
+    with --reuse-runs)."""
+    runs = runs or {name: [] for name, _, _ in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="bench_flextp_trainer_") as tmp:
-        for k in range(args.rounds):
+        for k in range(first, first + rounds):
             order = CONFIGS[k % len(CONFIGS):] + CONFIGS[:k % len(CONFIGS)]
             for i, (name, flags, slowdown) in enumerate(order):
                 runs[name].append(run_one(name, flags, slowdown, args, Path(tmp), f"r{k}c{i}"))
@@ -236,10 +239,12 @@ def doc_text(meta: dict, table: str, summary: dict) -> str:
     m = meta["model"]
     again = (" (this text re-rendered from its saved runs with `--reuse-runs "
              "docs/bench_flextp_trainer.json`)" if meta.get("reused") else "")
+    later = meta["load"].get("after more rounds")
+    more = "" if later is None else f", {later:.1f} after the further rounds"
     return f"""Run on {meta['date']} (commit {meta['commit']}) with `{meta['command']}`{again}: \
 `torchrun --nproc-per-node 2 pretrain_gpt.py`, TP=2 on gloo, CPU, fp32, rank r pinned to core r \
 (`taskset`), 2 cores shared with other jobs (1-minute load average {meta['load']['before']:.1f} \
-before, {meta['load']['after']:.1f} after; per run in the JSON). Model: GPT {m['num_layers']} \
+before, {meta['load']['after']:.1f} after{more}; per run in the JSON). Model: GPT {m['num_layers']} \
 layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, ffn {4 * m['hidden_size']} \
 (32 MLP units of {4 * m['hidden_size'] // 32} columns), sequence {m['seq_length']}, \
 {m['tokens_per_global_batch']} tokens per global batch, dynamic micro-batches, quickstart data \
@@ -267,6 +272,9 @@ def main() -> None:
     p.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
     p.add_argument("--reuse-runs", default=None,
                    help="re-render from this bench_flextp_trainer.json instead of running")
+    p.add_argument("--more-rounds", type=int, default=0,
+                   help="with --reuse-runs: run this many further rounds (the saved --iters, "
+                        "--skip, --seed) and add them")
     p.add_argument("--write-doc", action="store_true")
     args = p.parse_args()
     if args.skip >= args.iters:
@@ -278,6 +286,16 @@ def main() -> None:
         runs = {name: r for name, r in runs.items() if r}   # an interrupted bench
         meta["load"].setdefault("after", float("nan"))
         meta["reused"] = True
+        if args.more_rounds:
+            done = min(len(r) for r in runs.values())
+            args.iters, args.skip, args.seed = meta["iters"], meta["skip"], meta["seed"]
+            meta["command"] += (f", then `... --reuse-runs docs/bench_flextp_trainer.json "
+                                f"--more-rounds {args.more_rounds}`")
+            out = docs / "bench_flextp_trainer.json"
+            runs = interleaved_runs(args, lambda r: out.write_text(json.dumps(
+                {"meta": meta, "runs": r, "partial": True})), runs, done, args.more_rounds)
+            meta["rounds"] = done + args.more_rounds
+            meta["load"]["after more rounds"] = os.getloadavg()[0]
     else:
         subprocess.run(["bash", "examples/prepare_data.sh"], cwd=REPO, check=True,
                        env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:"
@@ -288,7 +306,7 @@ def main() -> None:
                 "seed": args.seed, "load": {"before": os.getloadavg()[0]}}
         out = docs / "bench_flextp_trainer.json"
         runs = interleaved_runs(args, lambda r: out.write_text(json.dumps(
-            {"meta": meta, "runs": r, "partial": True})))
+            {"meta": meta, "runs": r, "partial": True})), rounds=args.rounds)
         meta["load"]["after"] = os.getloadavg()[0]
     summary = summarize(runs, meta["skip"])
     table = render_table(summary)
