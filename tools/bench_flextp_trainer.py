@@ -232,7 +232,7 @@ def git_commit() -> str:
 
 def command_line(args) -> str:
     return (f"python tools/bench_flextp_trainer.py --rounds {args.rounds} --iters {args.iters} "
-            f"--skip {args.skip} --write-doc")
+            f"--skip {args.skip}" + (" --write-doc" if args.write_doc else ""))
 
 
 def doc_text(meta: dict, table: str, summary: dict) -> str:
@@ -289,8 +289,8 @@ def main() -> None:
         if args.more_rounds:
             done = min(len(r) for r in runs.values())
             args.iters, args.skip, args.seed = meta["iters"], meta["skip"], meta["seed"]
-            meta["command"] += (f", then `... --reuse-runs docs/bench_flextp_trainer.json "
-                                f"--more-rounds {args.more_rounds}`")
+            meta["command"] += ("`, then `python tools/bench_flextp_trainer.py --reuse-runs "
+                                f"docs/bench_flextp_trainer.json --more-rounds {args.more_rounds}")
             out = docs / "bench_flextp_trainer.json"
             runs = interleaved_runs(args, lambda r: out.write_text(json.dumps(
                 {"meta": meta, "runs": r, "partial": True})), runs, done, args.more_rounds)
