@@ -433,8 +433,8 @@ also run in `pretrain_gpt.py --tp-balance {{resize,migrate,semi}}` \
 (`megatron/flextp/stage_layers.py`, `stage_balance.py`): the megatron-core GPT layers keep their \
 TP units in fixed-size slots (up to twice the even share), composed with PP, DP and the dynamic \
 micro-batches; tests at TP=2 x PP=2 and TP=2 x DP=2 (`tests/test_flextp_integration.py`) show \
-migration training like even TP within fp32 tolerance. Not measured here on the main trainer. \
-`--save` / `--load` work with `--tp-balance`: checkpoints are written in the even layout of an \
+migration training like even TP within fp32 tolerance. Their speed on the main trainer is \
+measured in the section "FlexTP in the main trainer" below. `--save` / `--load` work with `--tp-balance`: checkpoints are written in the even layout of an \
 ordinary TP run (units migrated back for the save, optimizer state included), so they resume \
 with or without `--tp-balance` and at other TP / PP sizes (`tests/test_flextp_checkpoint.py`)."""
 

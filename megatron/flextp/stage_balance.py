@@ -39,6 +39,13 @@ def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
     return times, work
 
 
+def change_line(iteration: int, pp_rank: int, record: dict) -> str:
+    """The log line of a partition or skip change (tools/bench_flextp_trainer.py parses it)."""
+    return (f"[flextp] iteration {iteration} (pipeline rank {pp_rank}): {record['action']}; "
+            f"units per TP rank {record['counts']}, skipped per layer {record['skips']}; "
+            f"stragglers (TP ranks) {record['stragglers']}")
+
+
 class StageBalancer:
     """The `--tp-balance` loop of one rank (see the module docstring)."""
 
@@ -148,10 +155,7 @@ class StageBalancer:
         self.history.append(record)
         if self.verbose and (record["counts"], record["skips"]) != (before["counts"],
                                                                     before["skips"]):
-            print(f"[flextp] iteration {iteration + 1} (pipeline rank {self.layout.pp_rank}): "
-                  f"{record['action']}; units per TP rank {record['counts']}, skipped per "
-                  f"layer {record['skips']}; stragglers (TP ranks) {record['stragglers']}",
-                  flush=True)
+            print(change_line(iteration + 1, self.layout.pp_rank, record), flush=True)
         return record
 
     def _decide(self) -> dict:

@@ -1,0 +1,103 @@
+"""tools/bench_flextp_trainer.py's pure parts: it reads the stats file the real TrainLogger writes
+and the change lines the real balancer prints, computes the ideal like the standalone bench, and
+renders one table row per configuration (the runs themselves are the benchmark, not a test)."""
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron.flextp.stage_balance import change_line  # noqa: E402
+from megatron.training.train_logging import (IterationStats, TrainLogger,  # noqa: E402
+                                             ValidationStats)
+from tools import bench_flextp_trainer as bench  # noqa: E402
+
+
+def _stats(i, seconds, loss):
+    return IterationStats(iteration=i, train_iters=6, loss=loss, lr=1e-3, grad_norm=1.0,
+                          real_tokens=100, token_slots=120, num_micro_batches=1, shapes="1x120",
+                          plan_wait_s=0.0, iteration_s=seconds, peak_memory_bytes=0)
+
+
+def test_stats_file_of_the_trainer_gives_times_and_losses(tmp_path):
+    path = tmp_path / "stats.jsonl"
+    logger = TrainLogger(100, stream=io.StringIO(), stats_file=str(path))
+    seconds = [5.0, 1.0, 2.0, 3.0, 4.0, 6.0]
+    for i, s in enumerate(seconds, 1):
+        logger.log(_stats(i, s, 10.0 - i))
+        if i == 3:   # a validation record in between is not an iteration
+            logger.log_validation(ValidationStats(iteration=3, loss=1.0, loss_tokens=5,
+                                                  samples=1, batches=1, tasks={}, families={},
+                                                  eval_s=0.1, plan_s=0.0))
+    records = bench.iteration_records(path.read_text().splitlines())
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert bench.mean_seconds(records, skip=2) == pytest.approx((2 + 3 + 4 + 6) / 4)
+    assert bench.final_loss(records, window=2) == pytest.approx((5.0 + 4.0) / 2)
+    with pytest.raises(ValueError, match="no iterations after the 6"):
+        bench.mean_seconds(records, skip=6)
+
+
+def test_bad_stats_lines_name_the_file_and_line():
+    with pytest.raises(ValueError, match="s.jsonl, line 2: not JSON"):
+        bench.iteration_records([json.dumps({"iteration": 1, "iteration_s": 1, "loss": 2}),
+                                 "{oops"], "s.jsonl")
+    with pytest.raises(ValueError, match="line 1: no iteration"):
+        bench.iteration_records([json.dumps({"iteration": 1})], "s.jsonl")
+
+
+def test_balancer_change_lines_give_the_final_partition():
+    first = {"action": None, "counts": {"attn": [4, 4], "mlp": [16, 16]},
+             "skips": {"attn": [0, 1], "mlp": [0, 4]}, "stragglers": [1]}
+    last = {"action": {"attn": "migrate", "mlp": "migrate"},
+            "counts": {"attn": [5, 3], "mlp": [21, 11]},
+            "skips": {"attn": [0, 0], "mlp": [0, 1]}, "stragglers": [1]}
+    log = "\n".join(["iter 10/50 | loss 7.9", change_line(10, 0, first), "noise",
+                     change_line(20, 0, last), "[train] done"])
+    changes = bench.balance_changes(log)
+    assert [c["iteration"] for c in changes] == [10, 20]
+    assert changes[0]["skips"] == first["skips"]
+    even = {"attn": [4, 4], "mlp": [16, 16]}
+    assert bench.final_partition(changes, even) == {"counts": last["counts"],
+                                                    "skips": last["skips"]}
+    assert bench.final_partition([], even) == {"counts": even,
+                                               "skips": {"attn": [0, 0], "mlp": [0, 0]}}
+
+
+def test_ideal_splits_the_straggler_block_share_by_speed():
+    # block share t on the even rank: the straggler needs f t, so even = none + (f - 1) t;
+    # both ranks' block work 2t split by speeds 1 and 1/f takes 2t / (1 + 1/f)
+    none, t, f = 0.4, 0.3, 3.0
+    ideal, share = bench.ideal_seconds(none, none + (f - 1) * t, f)
+    assert share == pytest.approx(t)
+    assert ideal == pytest.approx(none - t + 2 * t / (1 + 1 / f))
+    assert none < ideal < none + (f - 1) * t
+    assert bench.ideal_seconds(0.5, 0.45, 2) == (0.5, 0.0)   # noise: even faster than none
+
+
+def test_table_has_a_row_per_configuration_and_the_ideal():
+    def run(seconds, loss, partition, n_changes):
+        return {"records": [{"iteration": i, "seconds": s, "loss": loss}
+                            for i, s in enumerate(seconds, 1)],
+                "partition": partition, "changes": [{}] * n_changes}
+    even = {"counts": {"attn": [4, 4], "mlp": [16, 16]}, "skips": {"attn": [0, 0],
+                                                                   "mlp": [0, 0]}}
+    moved = {"counts": {"attn": [5, 3], "mlp": [21, 11]}, "skips": {"attn": [0, 0],
+                                                                   "mlp": [0, 1]}}
+    runs = {"no straggler": [run([9, 1.0, 1.0], 3.0, even, 0), run([9, 1.2, 1.2], 3.0, even, 0)],
+            "even": [run([9, 2.0, 2.0], 3.5, even, 0), run([9, 1.8, 1.8], 3.5, even, 0)],
+            "semi": [run([9, 1.5, 1.5], 3.1, moved, 3), run([9, 1.3, 1.3], 3.1, moved, 2)]}
+    summary = bench.summarize(runs, skip=1)
+    assert summary["configs"]["semi"]["times"] == [1.5, 1.3]
+    assert summary["configs"]["semi"]["changes"] == [3, 2]
+    ideal = bench.ideal_seconds(1.1, 1.9, bench.FACTOR)[0]
+    assert summary["ideal"] == pytest.approx(ideal)
+    rows = bench.render_table(summary).splitlines()
+    assert len(rows) == 2 + 3 + 1
+    semi = next(r for r in rows if r.startswith("| semi |"))
+    assert f"| 1.400 | 1.500, 1.300 | {1.4 / ideal:.2f}x | 3.1000 |" in semi
+    assert "[21, 11] / [5, 3] (skipping [0, 1] / [0, 0])" in semi
+    assert rows[-1].startswith(f"| ideal (work split by speed) | {ideal:.3f} |")
