@@ -380,6 +380,11 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     if cfg.tp_balance != "off":    # uneven TP slots; before the gradient buffer sees shapes
         from megatron.flextp.stage_balance import build_balancer
         flextp = build_balancer(cfg, stages, layout, verbose)
+    elif os.environ.get("FLEXTP_SLOWDOWN") and verbose and layout.rank == 0:
+        print(f"[train] warning: FLEXTP_SLOWDOWN={os.environ['FLEXTP_SLOWDOWN']} has no effect "
+              f"with --tp-balance off (only FlexTP's slot layers repeat their GEMMs; "
+              f"--tp-balance resize --flextp-max-drop-fraction 0 keeps the even partition)",
+              flush=True)
     tied_group = replica_groups(spec, stage_to_rank, not cfg.untie_embeddings_and_output_weights,
                                 cfg.distributed_timeout_minutes * 60)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
