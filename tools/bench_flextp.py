@@ -327,8 +327,8 @@ def loss_doc_text(args, table: str, summary: dict, load: dict) -> str:
     again = (" (this text re-rendered from its saved runs with `--reuse-runs "
              "docs/bench_flextp_loss.json`)" if args.reuse_runs else "")
     return f"""Run on {datetime.date.today()} with `python tools/bench_flextp.py --loss-seeds \
-{args.loss_seeds} --iters {args.iters} --final-window {args.final_window} --eval-iters \
-{args.eval_iters} --write-doc`{again} (1-minute \
+{args.loss_seeds} --seed {args.seed} --iters {args.iters} --final-window {args.final_window} \
+--eval-iters {args.eval_iters} --write-doc`{again} (1-minute \
 load average {load['before']:.1f} before, {load['after']:.1f} after): the FlexGPT and data of the \
 section above, {args.iters} iterations per run, seeds {seeds} (model initialisation and data \
 order; the no-straggler and straggler runs of a seed see the same batches), resize and semi \
