@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dynapipe_ext.flextp.partition import even_partition
-from dynapipe_ext.flextp.policy import MODES
-from megatron.flextp.balance import Balancer
+from dynapipe_ext.flextp.policy import add_balance_args
+from megatron.flextp.balance import KINDS, Balancer
 from megatron.flextp.layers import COMM, slowdown_factor
 from megatron.flextp.model import FlexGPT, FlexGPTConfig
 from megatron.flextp.optim import FlexAdamW
@@ -28,9 +28,7 @@ from megatron.flextp.optim import FlexAdamW
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tp-balance", choices=MODES, default="off",
-                   help="straggler handling: off (even TP), resize (ZERO-resizing), migrate, "
-                        "semi (cost model picks per interval)")
+    add_balance_args(p)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-attention-heads", type=int, default=8)
@@ -44,13 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-warmup-iters", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--flextp-interval", type=int, default=10,
-                   help="iterations between balancing decisions")
-    p.add_argument("--flextp-max-drop-fraction", type=float, default=0.25,
-                   help="resize bound: share of a rank's units it may skip")
-    p.add_argument("--flextp-accuracy-weight", type=float, default=1.0,
-                   help="semi: iterations of cost charged per fraction of units skipped")
-    p.add_argument("--flextp-min-horizon", type=int, default=20)
     p.add_argument("--pin-cores", action="store_true",
                    help="pin TP rank r to CPU core r (for the taskset contention runs)")
     p.add_argument("--eval-iters", type=int, default=0,
@@ -80,7 +71,7 @@ EVAL_SEED = 10**6   # held-out data: the same batches for every run and seed
 
 def evaluate(model, args) -> float:
     """Mean loss of `args.eval_iters` held-out batches, every unit computed (skips cleared)."""
-    for kind in ("attn", "mlp"):
+    for kind in KINDS:
         for block in model.blocks(kind):
             block.set_drops(())
     data = byte_batches(args.seq_length, args.micro_batch_size, EVAL_SEED)
@@ -128,7 +119,7 @@ def train(args, on_iteration=None) -> list[dict]:
         record = balancer.observe(max(compute, 1e-6))
         record.update(iteration=it, loss=loss.item(), seconds=time.perf_counter() - start,
                       counts_now={k: list(model.blocks(k)[0].partition.counts())
-                                  for k in ("attn", "mlp")},
+                                  for k in KINDS},
                       drops_now={k: list(v) for k, v in balancer.drop_counts.items()})
         records.append(record)
     if args.eval_iters:

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
+from dynapipe_ext.flextp.policy import add_balance_args
 from dynapipe_ext.iteration_planner import REPLICA_SPLITS
 from dynapipe_ext.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
@@ -470,18 +471,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                    help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
 
     g = p.add_argument_group("FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)")
-    g.add_argument("--tp-balance", choices=("off", "resize", "migrate", "semi"), default="off",
-                   help="balance tensor-parallel work when a TP rank is slower: resize (skip "
-                        "some of its units, imputed), migrate (move units and their Adam state "
-                        "to faster ranks), semi (a cost model picks per interval); off: even TP")
-    g.add_argument("--flextp-interval", type=int, default=10,
-                   help="iterations between balancing decisions")
-    g.add_argument("--flextp-max-drop-fraction", type=float, default=0.25,
-                   help="resize bound: share of a rank's units it may skip")
-    g.add_argument("--flextp-accuracy-weight", type=float, default=1.0,
-                   help="semi: iterations of cost charged per fraction of units skipped")
-    g.add_argument("--flextp-min-horizon", type=int, default=20,
-                   help="semi: iterations an imbalance is assumed to last at least")
+    add_balance_args(g)
     g.add_argument("--flextp-patience", type=int, default=6,
                    help="measurements in a row that must agree before a rank is (no longer) "
                         "a straggler")
