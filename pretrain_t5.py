@@ -1,7 +1,6 @@
 """Train a T5 model on multi-task data with variable-size micro-batches (DynaPipe) on
 megatron-core: `torchrun --nproc-per-node N pretrain_t5.py --data-path PREFIX ...`
 (see --help and README.md)."""
-import sys
 
 
 def main(argv=None) -> int:
@@ -12,4 +11,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from megatron.training.distributed_setup import end_process
+    end_process(status)

@@ -71,3 +71,35 @@ def test_in_process_world_picks_a_free_port_and_leaves_no_trace():
     finally:
         holder.close()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+END_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+from megatron.training.distributed_setup import end_process, setup_model_parallel
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+KEEP = Finalized()        # a module global: only interpreter finalization deletes it
+setup_model_parallel(1, 1)
+atexit.register(lambda: print(f"atexit ran, groups up: {dist.is_initialized()}"))
+sys.stdout.write("last words")    # no newline: a pipe holds it until a flush
+end_process(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_end_process_exits_with_the_status_without_finalizing(status):
+    """end_process: the atexit handlers run (after the groups were torn down, on success only),
+    buffered output is flushed, the status comes through, and interpreter finalization (where
+    gloo's threads abort the process) does not run."""
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", END_SCRIPT, str(status)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr[-3000:]
+    assert "last words" in done.stdout
+    assert f"atexit ran, groups up: {status != 0}" in done.stdout
+    assert "finalized" not in done.stdout

@@ -24,6 +24,7 @@ from megatron.flextp.balance import KINDS, Balancer
 from megatron.flextp.layers import COMM, slowdown_factor
 from megatron.flextp.model import FlexGPT, FlexGPTConfig
 from megatron.flextp.optim import FlexAdamW
+from megatron.training.distributed_setup import end_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,3 +149,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)

@@ -8,12 +8,15 @@ and, on CPU, installs an attention score buffer that lives on the CPU and grows 
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import operator
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from functools import reduce
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -246,3 +249,28 @@ def teardown_model_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """Leave a torch.distributed process with exit status `code`: tear the groups down (after
+    a success only: after a failure a peer may be gone), run the atexit handlers (planner
+    workers are stopped there), flush stdout / stderr, then `os._exit`, skipping CPython's
+    interpreter finalization.
+
+    Why not a plain `sys.exit`: gloo's worker threads release the tensors of finished
+    collectives, and that takes the GIL. During finalization CPython ends any other thread
+    that asks for the GIL with `pthread_exit`, whose forced unwind through torch's C++ aborts
+    the whole process ("terminate called without an active exception", SIGABRT) after a run
+    that succeeded. Destroying the process groups does not close the window: a group's
+    threads stop only when its last reference, some held inside torch, goes."""
+    try:
+        if code == 0:
+            teardown_model_parallel()
+        atexit._run_exitfuncs()    # what finalization would have run first
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
