@@ -116,6 +116,7 @@ class GradBuffer:
                 last = Bucket(stage, offset, offset)
                 self.buckets.append(last)
             param.main_grad = self.data[offset:offset + param.numel()].view_as(param)
+            param.grad_buffer = self          # for accumulate_part
             offset += param.numel()
             last.end = offset
             last.params.append(param)
@@ -163,8 +164,26 @@ class GradBuffer:
             self._launch_ready()
 
     def _accumulate(self, param: torch.Tensor) -> None:
+        if param.grad is None:      # autograd got none: the layer used accumulate_part
+            return
         param.main_grad.add_(param.grad)
         param.grad = None
+        self._arrived(param)
+
+    def accumulate_part(self, param: torch.Tensor, grad: torch.Tensor, axis: int,
+                        rows: int | torch.Tensor) -> None:
+        """For a layer that uses only part of `param` (FlexTP's slots): add `grad`, the
+        gradient of `param`'s entries `rows` along `axis` (the first `rows` when an int, else
+        an index tensor), into main_grad and count the gradient as arrived. That is what the
+        post-accumulate hook does with a whole `.grad`, without the zero-padded full-size
+        gradient autograd would build for a slice (and the full-size add), per micro-batch."""
+        if isinstance(rows, int):
+            param.main_grad.narrow(axis, 0, rows).add_(grad)
+        else:
+            param.main_grad.index_add_(axis, rows, grad.to(param.main_grad.dtype))
+        self._arrived(param)
+
+    def _arrived(self, param: torch.Tensor) -> None:
         self._reduced = False
         bucket = self._bucket_of[id(param)]
         if bucket.stage in self._final:
