@@ -156,8 +156,9 @@ class UsedSlots(torch.autograd.Function):
     main_grad slice (GradBuffer.accumulate_part, which also marks it arrived for the DP
     overlap); autograd gets no gradient for the parameter itself. Through a plain slice,
     autograd would build a zero-padded gradient of the whole capacity, up to twice the used
-    size, and the buffer's hook would add all of it, once per micro-batch: 12-18% of a slot
-    layer's time with the small micro-batches of dynamic plans."""
+    size, and the buffer's hook would add all of it, once per micro-batch (a 512 -> 1024 slot
+    linear at 128 tokens, forward + backward on one CPU thread: 8.5-8.8 ms that way, 7.0-7.3
+    ms this way, a plain linear 7.1-7.6 ms)."""
 
     @staticmethod
     def forward(ctx, param, axis, rows):
