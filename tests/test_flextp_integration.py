@@ -162,56 +162,87 @@ def test_validation_computes_every_unit_then_resizing_resumes():
     assert pairs["mlp"][0].computed_slots() == [0, 1, 3]
 
 
+HIDDEN, UNIT, CAP = 8, 5, 3          # 3 slots of 5 columns; this rank uses 2 of 4 units
+
+
+def _slot_pair(seed: int, imputes: bool = True):
+    """An MLP FlexPair (rank 0 of 2, 4 units) with its slot linears on fresh parameters; the
+    spare slot is empty, as convert_stages leaves it."""
+    import torch
+    from dynapipe_ext.flextp.partition import even_partition
+    from megatron.flextp.stage_layers import FlexPair, SlotColumn, SlotRow
+    torch.manual_seed(seed)
+    pair = FlexPair("mlp", even_partition(4, 2), 0, CAP, UNIT, UNIT, HIDDEN, imputes=imputes)
+    col_w = torch.nn.Parameter(torch.randn(CAP * UNIT, HIDDEN))
+    col_b = torch.nn.Parameter(torch.randn(CAP * UNIT))
+    row_w = torch.nn.Parameter(torch.randn(HIDDEN, CAP * UNIT))
+    with torch.no_grad():
+        for t, axis in ((col_w, 0), (col_b, 0), (row_w, 1)):
+            t.narrow(axis, 2 * UNIT, UNIT).zero_()
+    pair.column = SlotColumn(pair, col_w, col_b, skip_bias_add=False)
+    pair.row = SlotRow(pair, row_w, None, skip_bias_add=True)
+    return pair, [col_w, col_b, row_w]
+
+
+def _slot_forward(pair, x):
+    import torch.nn.functional as F
+    return pair.row(F.gelu(pair.column(x)[0]))[0]
+
+
 def test_slot_gradients_go_straight_into_main_grad():
     """With a GradBuffer, a slot linear's weight gradient is added into the used slots of
     main_grad (no zero-padded full-size .grad): the sums equal plain autograd's over two
     micro-batches, one with a skipped unit (an index, not a slice), and the parameters count
     as arrived for the DP overlap."""
     import torch
-    import torch.nn.functional as F
-    from dynapipe_ext.flextp.partition import even_partition
-    from megatron.flextp.stage_layers import FlexPair, SlotColumn, SlotRow
     from megatron.training.grad_buffer import GradBuffer
     from tests.multiproc import single_process_world
 
-    hidden, rows, cols, cap = 8, 5, 5, 3          # 3 slots, this rank uses 2 of 4 units
-
-    def build(seed):
-        torch.manual_seed(seed)
-        pair = FlexPair("mlp", even_partition(4, 2), 0, cap, rows, cols, hidden)
-        col_w = torch.nn.Parameter(torch.randn(cap * rows, hidden))
-        col_b = torch.nn.Parameter(torch.randn(cap * rows))
-        row_w = torch.nn.Parameter(torch.randn(hidden, cap * cols))
-        with torch.no_grad():        # the spare slot is empty, as convert_stages leaves it
-            for t, axis in ((col_w, 0), (col_b, 0), (row_w, 1)):
-                t.narrow(axis, 2 * t.shape[axis] // cap, t.shape[axis] // cap).zero_()
-        pair.column = SlotColumn(pair, col_w, col_b, skip_bias_add=False)
-        pair.row = SlotRow(pair, row_w, None, skip_bias_add=True)
-        return pair, [col_w, col_b, row_w]
-
-    def step(pair, x):
-        inner = F.gelu(pair.column(x)[0].reshape(*x.shape[:-1], -1))
-        pair.row(inner)[0].square().sum().backward()
-
     with single_process_world(7):
-        plain, plain_params = build(1)
-        flex, flex_params = build(1)
+        plain, plain_params = _slot_pair(1)
+        flex, flex_params = _slot_pair(1)
         buffer = GradBuffer({0: flex_params}, overlap=False)
         buffer.expect_backwards({0: 2})
         parts = []                             # which parameters took the direct path
         direct = buffer.accumulate_part
         buffer.accumulate_part = lambda param, *rest: (parts.append(param), direct(param, *rest))
-        inputs = [torch.randn(4, 1, hidden), torch.randn(3, 1, hidden)]
+        inputs = [torch.randn(4, 1, HIDDEN), torch.randn(3, 1, HIDDEN)]
         for k, x in enumerate(inputs):
             if k == 1:                         # skip unit 1: the computed slot is slot 0 only
                 plain.set_drops((1,))
                 flex.set_drops((1,))
-            step(plain, x)
+            _slot_forward(plain, x).square().sum().backward()
             buffer.before_backward(0)
-            step(flex, x)
+            _slot_forward(flex, x).square().sum().backward()
         for p, q in zip(plain_params, flex_params):
             assert q.grad is None
             assert torch.equal(q.main_grad, p.grad)
-        assert torch.count_nonzero(flex_params[0].main_grad[2 * rows:]) == 0   # spare slot
+        assert torch.count_nonzero(flex_params[0].main_grad[2 * UNIT:]) == 0   # spare slot
         assert buffer.buckets[0].ready        # every parameter arrived in the last backward
         assert sorted(map(id, parts)) == sorted(map(id, flex_params * 2))
+
+
+def test_imputation_is_recorded_by_training_forwards_where_units_may_be_skipped():
+    """The row linear records each computed unit's token-mean contribution in training forwards
+    (not in no-grad ones, e.g. validation, nor with imputes=False, migrate's setting) and adds
+    a skipped unit's recorded value in its place."""
+    import torch
+    from tests.multiproc import single_process_world
+
+    with single_process_world(7):
+        x, other = torch.randn(4, 1, HIDDEN), torch.randn(4, 1, HIDDEN)
+        pair, _ = _slot_pair(1)
+        full = _slot_forward(pair, x)
+        recorded = pair.contrib.clone()
+        assert recorded[:2].abs().sum() > 0 and not recorded[2:].any()
+        with torch.no_grad():
+            _slot_forward(pair, other)
+        assert torch.equal(pair.contrib, recorded)
+        pair.set_drops((1,))                   # unit 1 (slot 1): its recorded value stands in
+        with torch.no_grad():
+            skipping = _slot_forward(pair, x)
+        # the skipped unit's true contribution, per token, against its token mean
+        assert torch.allclose(full.mean((0, 1)), skipping.mean((0, 1)), atol=1e-5)
+        quiet, _ = _slot_pair(1, imputes=False)
+        _slot_forward(quiet, x)
+        assert not quiet.contrib.any()

@@ -207,7 +207,7 @@ def build_balancer(cfg, stages, layout, verbose: bool = True) -> StageBalancer:
     from megatron.core import parallel_state
     ffn_unit = cfg.flextp_ffn_unit or default_ffn_unit(cfg.ffn_hidden_size, layout.tp)
     pairs = convert_stages(stages, layout.tp, layout.tp_rank, ffn_unit,
-                           slowdown_factor(layout.tp_rank))
+                           slowdown_factor(layout.tp_rank), imputes=cfg.tp_balance != "migrate")
     balancer = StageBalancer(pairs, cfg.tp_balance, layout,
                              parallel_state.get_tensor_model_parallel_group(),
                              interval=cfg.flextp_interval,

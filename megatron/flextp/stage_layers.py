@@ -54,13 +54,17 @@ class FlexPair:
     0..n-1, ascending), which it skips, its imputation state and its compute timer."""
 
     def __init__(self, kind: str, partition: Partition, rank: int, cap: int, col_rows: int,
-                 row_cols: int, hidden: int, slowdown: int = 1, attention=None):
+                 row_cols: int, hidden: int, slowdown: int = 1, attention=None,
+                 device=None, imputes: bool = True):
         self.kind, self.partition, self.rank, self.capacity = kind, partition, rank, cap
         self.col_rows, self.row_cols, self.hidden = col_rows, row_cols, hidden
         self.slowdown, self.attention = slowdown, attention
         self.drops: tuple[int, ...] = ()
         self.column = self.row = None          # set by convert_stages
-        self.contrib = torch.zeros(cap, hidden)  # per slot: last token-mean output (imputation)
+        # per slot: last token-mean output (imputation), on the layer's device so recording it
+        # and adding it back need no host copy; recorded only where skips can happen
+        self.contrib = torch.zeros(cap, hidden, device=device)
+        self.imputes = imputes
         self.seconds = self.work = self.tokens = 0.0
         self._start = None
         self._refresh()
@@ -83,6 +87,8 @@ class FlexPair:
         slots = self.computed_slots()
         self._all = len(slots) == n
         self._index = torch.tensor(slots, dtype=torch.long)
+        self._skipped = torch.tensor([i for i in range(n) if i not in slots], dtype=torch.long)
+        self._on_device: dict = {}             # (name, per, device) -> index tensor there
         if self.attention is not None:   # megatron-core reshapes q/k/v by these counts
             self.attention.num_attention_heads_per_partition = len(slots)
             self.attention.num_query_groups_per_partition = len(slots)
@@ -118,7 +124,18 @@ class FlexPair:
         skipped, else an index tensor."""
         if self._all:
             return len(self.units()) * per
-        return (self._index[:, None] * per + torch.arange(per)[None, :]).reshape(-1).to(device)
+        return self.index_on(device, per)
+
+    def index_on(self, device, per: int = 1, skipped: bool = False) -> torch.Tensor:
+        """The entries of the computed (or skipped) slots, `per` per slot, as an index tensor on
+        `device`, made once per set of skips (a host-to-device copy per forward would stall
+        the host on a GPU)."""
+        key = (skipped, per, device)
+        if key not in self._on_device:
+            slots = self._skipped if skipped else self._index
+            rows = (slots[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+            self._on_device[key] = rows.to(device)
+        return self._on_device[key]
 
     def take(self, t: torch.Tensor, axis: int, per: int) -> torch.Tensor:
         """The computed slots of `t` (a view when nothing is skipped). For a parameter with a
@@ -209,15 +226,20 @@ class SlotRow(torch.nn.Module):
         w = pair.take(self.weight, 1, pair.row_cols)
         partial = F.linear(inner, w)
         _burn(pair.slowdown, partial, lambda: F.linear(inner.detach(), w.detach()))
-        slots = pair.computed_slots()
-        with torch.no_grad():
-            mean = inner.detach().reshape(-1, len(slots), pair.row_cols).float().mean(0)
-            pair.contrib[slots] = torch.einsum(
-                "kc,hkc->kh", mean, w.detach().float().reshape(pair.hidden, len(slots),
-                                                                pair.row_cols)).cpu()
-        if len(slots) < len(pair.units()):
-            skipped = [i for i in range(len(pair.units())) if i not in slots]
-            partial = partial + pair.contrib[skipped].sum(0).to(partial.device, partial.dtype)
+        if pair.imputes and torch.is_grad_enabled():     # training forwards only
+            with torch.no_grad():
+                n = len(pair.computed_slots())
+                mean = inner.detach().reshape(-1, n, pair.row_cols).float().mean(0)
+                value = torch.einsum("kc,hkc->kh", mean, w.detach().float().reshape(
+                    pair.hidden, n, pair.row_cols)).to(pair.contrib.device)
+                if pair._all:
+                    pair.contrib[:n] = value
+                else:
+                    pair.contrib.index_copy_(0, pair.index_on(pair.contrib.device), value)
+        if not pair._all:
+            skipped = pair.contrib.index_select(0, pair.index_on(pair.contrib.device,
+                                                                 skipped=True))
+            partial = partial + skipped.sum(0).to(partial.device, partial.dtype)
         pair.stop(partial)
         if COMM["shapes"] is not None:
             COMM["shapes"].append((tuple(inner.shape[:-1]), tuple(partial.shape)))
@@ -262,11 +284,12 @@ def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.
     return fresh
 
 
-def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int = 1
-                   ) -> dict[str, list[FlexPair]]:
+def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int = 1,
+                   imputes: bool = True) -> dict[str, list[FlexPair]]:
     """Swap the TP linears of every GPT layer of this rank's stage modules (stage index ->
     StageModule, weights already set) for slot linears; returns the pairs by kind. Call before
-    the gradient buffer and optimizer are built."""
+    the gradient buffer and optimizer are built. `imputes`: record the imputation values
+    (needed where units may be skipped: resize, semi)."""
     pairs: dict[str, list[FlexPair]] = {k: [] for k in KINDS}
     for s in sorted(stages):
         module = stages[s]
@@ -294,7 +317,8 @@ def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int =
                 col, row = getattr(owner, col_name), getattr(owner, row_name)
                 cap = capacity(n_units, tp)
                 pair = FlexPair(kind, even_partition(n_units, tp), tp_rank, cap, rows, cols,
-                                hidden, slowdown, attention)
+                                hidden, slowdown, attention, device=col.weight.device,
+                                imputes=imputes)
                 pair.column = SlotColumn(pair, _slotted(col.weight, 0, rows, cap),
                                          None if col.bias is None
                                          else _slotted(col.bias, 0, rows, cap),
