@@ -88,7 +88,7 @@ class FlexPair:
         self._all = len(slots) == n
         self._index = torch.tensor(slots, dtype=torch.long)
         self._skipped = torch.tensor([i for i in range(n) if i not in slots], dtype=torch.long)
-        self._on_device: dict = {}             # (name, per, device) -> index tensor there
+        self._on_device: dict = {}             # (skipped?, per, device) -> index there
         if self.attention is not None:   # megatron-core reshapes q/k/v by these counts
             self.attention.num_attention_heads_per_partition = len(slots)
             self.attention.num_query_groups_per_partition = len(slots)
