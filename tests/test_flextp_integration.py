@@ -246,6 +246,9 @@ def test_imputation_is_recorded_by_training_forwards_where_units_may_be_skipped(
         quiet, _ = _slot_pair(1, imputes=False)
         _slot_forward(quiet, x)
         assert not quiet.contrib.any()
+        assert quiet.seconds > 0 and quiet.tokens == 4      # the timer saw the forward
+        quiet.reset_timer()
+        assert quiet.seconds == quiet.work == quiet.tokens == 0
 
 
 @pytest.mark.slow

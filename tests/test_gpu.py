@@ -265,3 +265,32 @@ def test_device_probe_and_calibration_on_the_gpu(monkeypatch):
     report("device_figures", {"device": torch.cuda.get_device_name(0),
                               "figures": figures.describe()})
     assert figures.flops > 1e12 and dict(figures.sources)["flops"] == "matmul calibration"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_flextp_slot_timer_uses_cuda_events_without_synchronising(monkeypatch):
+    """On CUDA a FlexTP slot pair times its compute with events: no torch.cuda.synchronize
+    during the forwards; the seconds read afterwards are positive and within the wall time."""
+    import time
+
+    from tests.multiproc import single_process_world
+    from tests.test_flextp_integration import HIDDEN, _slot_forward, _slot_pair
+    with single_process_world(SEED):
+        pair, _ = _slot_pair(1)
+        pair.column.cuda()
+        pair.row.cuda()
+        pair.contrib = pair.contrib.cuda()
+        x = torch.randn(64, 1, HIDDEN, device="cuda")
+        _slot_forward(pair, x)                      # warm-up: kernels loaded
+        pair.reset_timer()
+        syncs = []
+        real = torch.cuda.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (syncs.append(a), real(*a)))
+        start = time.perf_counter()
+        for _ in range(3):
+            _slot_forward(pair, x)
+        assert syncs == []
+        seconds = pair.seconds                      # waits for the last span here
+        wall = time.perf_counter() - start
+        assert 0 < seconds <= wall and pair.tokens == 3 * 64

@@ -24,7 +24,8 @@ hold the even shard), so the files are those of an ordinary TP run (megatron/mod
 
 Timing: each pair measures the wall time from its column input to its row all-reduce (the TP
 compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
-what the straggler detector needs; on CUDA both ends synchronise. FLEXTP_SLOWDOWN=RANK:FACTOR
+what the straggler detector needs; on CUDA with events, read when the balancer takes the
+figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=RANK:FACTOR
 (megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler).
 Restrictions, checked in `convert_stages`: GPT layers, no gated MLP, no grouped-query attention.
 """
@@ -65,8 +66,8 @@ class FlexPair:
         # and adding it back need no host copy; recorded only where skips can happen
         self.contrib = torch.zeros(cap, hidden, device=device)
         self.imputes = imputes
-        self.seconds = self.work = self.tokens = 0.0
         self._start = None
+        self.reset_timer()
         self._refresh()
 
     def units(self) -> tuple[int, ...]:
@@ -146,26 +147,42 @@ class FlexPair:
             return UsedSlots.apply(t, axis, rows)
         return t.narrow(axis, 0, rows) if isinstance(rows, int) else t.index_select(axis, rows)
 
-    # timer ----------------------------------------------------------------------------
-    def _now(self, device) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
+    # timer: wall time on the CPU; on CUDA a pair of events per forward, read when the figures
+    # are taken (synchronising at both ends instead would stall the host four times per layer
+    # and micro-batch)
     def start(self, x: torch.Tensor) -> None:
-        self._start = self._now(x.device)
+        if x.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
 
     def stop(self, partial: torch.Tensor) -> None:
         if self._start is None:
             return
-        self.seconds += self._now(partial.device) - self._start
+        if isinstance(self._start, float):
+            self._seconds += time.perf_counter() - self._start
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((self._start, end))
         tokens = partial.numel() // partial.shape[-1]
         self.tokens += tokens
         self.work += tokens * len(self.computed_slots()) * self.unit_macs()
         self._start = None
 
+    @property
+    def seconds(self) -> float:
+        """TP compute seconds since reset_timer (on CUDA this waits for the last span)."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+            self._spans.clear()
+        return self._seconds
+
     def reset_timer(self) -> None:
-        self.seconds = self.work = self.tokens = 0.0
+        self._seconds = self.work = self.tokens = 0.0
+        self._spans: list = []      # CUDA (start, end) events not yet read
 
 
 class UsedSlots(torch.autograd.Function):
