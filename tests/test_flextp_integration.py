@@ -33,13 +33,19 @@ def _train(rank, world, argv):
                              for n, p in m.named_parameters()}}
 
 
+def _even_and_uneven_start(argv, world: int):
+    """Per rank results of the even TP run and of migrate started from the partition for
+    speeds 1 : 0.5 (TP rank 0: 3 of 4 heads, 22 of 32 MLP units), balancing every 3 steps."""
+    even = run_in_processes(_train, world, (argv,), timeout_s=400)
+    flex = run_in_processes(_train, world, (argv + ["--tp-balance", "migrate", "--flextp-interval",
+                                                    "3", "--flextp-initial-speeds", "1,0.5"],),
+                            timeout_s=400)
+    return even, flex
+
+
 @pytest.mark.slow
 def test_migrate_from_a_forced_uneven_partition_trains_like_even_tp(sp_dataset):  # noqa: F811
-    argv = sp_dataset + LAYOUT + ["--train-iters", "6"]
-    even = run_in_processes(_train, 4, (argv,), timeout_s=400)
-    flex = run_in_processes(_train, 4, (argv + ["--tp-balance", "migrate", "--flextp-interval",
-                                                "3", "--flextp-initial-speeds", "1,0.5"],),
-                            timeout_s=400)
+    even, flex = _even_and_uneven_start(sp_dataset + LAYOUT + ["--train-iters", "6"], 4)
     losses = even[0]["losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     for r in flex:
@@ -259,11 +265,8 @@ def test_bf16_migration_from_an_uneven_start_trains_like_even_tp(sp_dataset):  #
     1e-3 relative (measured: at most 8e-5 over the 6 iterations): the uneven split rounds
     different partial sums to bf16 before the all-reduce (2^-9 relative each), so the runs
     differ by roundings, not by a term."""
-    argv = sp_dataset + MODEL + ["--train-iters", "6", "--bf16"]
-    even = run_in_processes(_train, 2, (argv,), timeout_s=400)
-    flex = run_in_processes(_train, 2, (argv + ["--tp-balance", "migrate", "--flextp-interval",
-                                                "3", "--flextp-initial-speeds", "1,0.5"],),
-                            timeout_s=400)
+    even, flex = _even_and_uneven_start(sp_dataset + MODEL + ["--train-iters", "6", "--bf16"],
+                                        2)
     losses = even[0]["losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     for r in flex:
