@@ -220,7 +220,7 @@ class FlexAttention(FlexTPBlock):
 def _take_units(t: torch.Tensor, axis: int, per: int, idx: torch.Tensor) -> torch.Tensor:
     """The slices of local (or global) units `idx` along `axis`, `per` entries each."""
     rows = (idx[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
-    return t.index_select(axis, rows)
+    return t.index_select(axis, rows.to(t.device))
 
 
 def _put_units(t: torch.Tensor, axis: int, per: int, idx: torch.Tensor, src) -> None:

@@ -3,7 +3,9 @@ so the partition becomes `new`; the math of the model does not change.
 
 Each (sender, receiver) pair exchanges one flat fp32 buffer holding every moved unit's slices of
 every field of every block, in an order both sides derive from the partitions; pairs go in a
-fixed order with blocking send / recv, so no rank waits on a message sent later."""
+fixed order with blocking send / recv, so no rank waits on a message sent later.
+`exchange_units` and `new_layout` are shared with the slot layers of pretrain_gpt.py
+(stage_layers.migrate_pairs), which copy into fixed-size slots instead of new parameters."""
 from __future__ import annotations
 
 import torch
@@ -11,14 +13,6 @@ import torch.distributed as dist
 
 from dynapipe_ext.flextp.partition import Partition
 from megatron.flextp.layers import FlexTPBlock, _take_units
-
-
-def _fields(block: FlexTPBlock, optimizer):
-    """(parameter, field index, axis, per) for the parameter itself (0) and its optimizer
-    fields (1..3)."""
-    for param, axis, per in block.sharded():
-        for i in range(1 + len(optimizer.FIELDS)):
-            yield param, i, axis, per
 
 
 def _tensor(param, i, optimizer):
@@ -30,6 +24,48 @@ def _local_index(units, wanted) -> torch.Tensor:
     return torch.tensor([pos[u] for u in wanted], dtype=torch.long)
 
 
+def exchange_units(tensors, old: Partition, new: Partition, rank: int, group=None
+                   ) -> tuple[dict, int]:
+    """The transfers of a migration from `old` to `new`, for every (tensor, axis, per) of
+    `tensors` (this rank's units of `old` side by side along `axis`, `per` entries each; the
+    same list, in the same order, on every rank): this rank sends the slices of the units it
+    gives away and receives those it gets. Returns ({unit: {index in tensors: its fp32
+    slice}}, bytes sent)."""
+    moves = old.moves_to(new)
+    mine_old = old.units_of(rank)
+    received: dict[int, dict] = {}
+    sent = 0
+    for src, dst in sorted({(a, b) for _, a, b in moves}):
+        units = [u for u, a, b in moves if (a, b) == (src, dst)]
+        if rank == src:
+            idx = _local_index(mine_old, units)
+            buf = torch.cat([_take_units(t, axis, per, idx).float().movedim(axis, 0).reshape(-1)
+                             for t, axis, per in tensors])
+            dist.send(buf, dst=_global(dst, group), group=group)
+            sent += buf.numel() * buf.element_size()
+        elif rank == dst:
+            sizes = [len(units) * _slice_numel(t, axis, per) for t, axis, per in tensors]
+            buf = torch.empty(sum(sizes), device=tensors[0][0].device)
+            dist.recv(buf, src=_global(src, group), group=group)
+            for k, ((t, axis, per), chunk) in enumerate(zip(tensors, buf.split(sizes))):
+                shape = list(t.shape)
+                shape[axis] = per
+                shape.insert(0, shape.pop(axis))
+                per_unit = chunk.reshape(len(units), *shape)
+                for j, u in enumerate(units):
+                    received.setdefault(u, {})[k] = per_unit[j].movedim(0, axis)
+    return received, sent
+
+
+def new_layout(t: torch.Tensor, axis: int, per: int, mine_old, mine_new, received: dict,
+               k: int) -> torch.Tensor:
+    """This rank's units of the new partition along `axis`: kept slices of `t` and received
+    ones (tensor index `k` of exchange_units), in the new order, in `t`'s dtype."""
+    pieces = [_take_units(t, axis, per, _local_index(mine_old, [u])) if u in mine_old
+              else received[u][k].to(t.device, t.dtype) for u in mine_new]
+    return torch.cat(pieces, dim=axis)
+
+
 def migrate_blocks(blocks: list[FlexTPBlock], optimizer, new: Partition, group=None) -> int:
     """Repartition `blocks` (all with the same partition) to `new`; returns the bytes this rank
     sent. Call on every TP rank with the same arguments."""
@@ -38,52 +74,24 @@ def migrate_blocks(blocks: list[FlexTPBlock], optimizer, new: Partition, group=N
     old, rank = blocks[0].partition, blocks[0].rank
     if any(b.partition != old for b in blocks):
         raise ValueError("migrate_blocks: blocks must share one partition")
-    moves = old.moves_to(new)
-    pairs = sorted({(a, b) for _, a, b in moves})
+    fields = [(block, param, fi, axis, per) for block in blocks
+              for param, axis, per in block.sharded()
+              for fi in range(1 + len(optimizer.FIELDS))]
+    received, sent = exchange_units([(_tensor(param, fi, optimizer), axis, per)
+                                     for _, param, fi, axis, per in fields], old, new, rank,
+                                    group)
     mine_old, mine_new = old.units_of(rank), new.units_of(rank)
-    received: dict[int, dict] = {}   # unit -> {(block idx, param idx, field): slice}
-    sent = 0
-    for src, dst in pairs:
-        units = [u for u, a, b in moves if (a, b) == (src, dst)]
-        slots = [(bi, pi, fi, axis, per, b.sharded()[pi][0])
-                 for bi, b in enumerate(blocks)
-                 for pi, (param, axis, per) in enumerate(b.sharded())
-                 for fi in range(1 + len(optimizer.FIELDS))]
-        if rank == src:
-            idx = _local_index(mine_old, units)
-            parts = [_take_units(_tensor(p, fi, optimizer), axis, per, idx).float()
-                     .movedim(axis, 0).reshape(-1) for bi, pi, fi, axis, per, p in slots]
-            buf = torch.cat(parts)
-            dist.send(buf, dst=_global(dst, group), group=group)
-            sent += buf.numel() * buf.element_size()
-        elif rank == dst:
-            sizes = [len(units) * _slice_numel(p, axis, per) for bi, pi, fi, axis, per, p in slots]
-            buf = torch.empty(sum(sizes))
-            dist.recv(buf, src=_global(src, group), group=group)
-            for (bi, pi, fi, axis, per, p), chunk in zip(slots, buf.split(sizes)):
-                shape = list(p.shape)
-                shape[axis] = per
-                shape = [shape[axis]] + shape[:axis] + shape[axis + 1:]
-                per_unit = chunk.reshape(len(units), *shape)
-                for k, u in enumerate(units):
-                    received.setdefault(u, {})[(bi, pi, fi)] = per_unit[k].movedim(0, axis)
-    for bi, block in enumerate(blocks):
-        for pi, (param, axis, per) in enumerate(block.sharded()):
-            new_tensors = []
-            for fi in range(1 + len(optimizer.FIELDS)):
-                src_t = _tensor(param, fi, optimizer)
-                pieces = []
-                for u in mine_new:
-                    if u in mine_old:
-                        pieces.append(_take_units(src_t, axis, per,
-                                                  _local_index(mine_old, [u])))
-                    else:
-                        pieces.append(received[u][(bi, pi, fi)].to(src_t.dtype))
-                new_tensors.append(torch.cat(pieces, dim=axis).contiguous())
-            # a new Parameter: autograd caches a leaf's shape, so resizing .data would not do
-            fresh = torch.nn.Parameter(new_tensors[0], requires_grad=param.requires_grad)
-            setattr(block, block._name(param), fresh)
-            optimizer.replace(param, fresh, new_tensors[1:])
+    layouts = [new_layout(_tensor(param, fi, optimizer), axis, per, mine_old, mine_new,
+                          received, k).contiguous()
+               for k, (_, param, fi, axis, per) in enumerate(fields)]
+    width = 1 + len(optimizer.FIELDS)
+    for start in range(0, len(fields), width):
+        block, param = fields[start][0], fields[start][1]
+        # a new Parameter: autograd caches a leaf's shape, so resizing .data would not do
+        fresh = torch.nn.Parameter(layouts[start], requires_grad=param.requires_grad)
+        setattr(block, block._name(param), fresh)
+        optimizer.replace(param, fresh, layouts[start + 1:start + width])
+    for block in blocks:
         block.set_partition(new)
     return sent
 

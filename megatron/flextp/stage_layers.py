@@ -34,13 +34,13 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 
 from dynapipe_ext.flextp.partition import Partition, even_partition
 from megatron.flextp.layers import COMM, checked_drops
+from megatron.flextp.migrate import exchange_units, new_layout
 
 KINDS = ("attn", "mlp")
 
@@ -364,52 +364,22 @@ def optimizer_fields(optimizer, param) -> list[torch.Tensor]:
     return out
 
 
-def _units_slice(t: torch.Tensor, axis: int, per: int, slots) -> torch.Tensor:
-    rows = (torch.tensor(slots, dtype=torch.long)[:, None] * per
-            + torch.arange(per)[None, :]).reshape(-1)
-    return t.index_select(axis, rows.to(t.device))
-
-
 def migrate_pairs(pairs: list[FlexPair], optimizer, new: Partition, group) -> int:
     """Move units between the TP ranks so `pairs` (one kind, one shared partition) follow
-    `new`: every slotted tensor and its optimizer fields, in place. Each (sender, receiver)
-    pair of ranks exchanges one flat fp32 buffer, pairs in a fixed order (blocking send/recv).
+    `new`: every slotted tensor and its optimizer fields, in place (migrate.exchange_units).
     Returns the bytes this rank sent. Call on every rank of the TP group alike."""
     if not pairs:
         return 0
     old, rank = pairs[0].partition, pairs[0].rank
     if any(p.partition != old for p in pairs):
         raise ValueError("migrate_pairs: the pairs must share one partition")
-    moves = old.moves_to(new)
-    mine_old, mine_new = old.units_of(rank), new.units_of(rank)
     tensors = [(t, axis, per) for p in pairs for param, axis, per in p.sharded()
                for t in [param.detach()] + optimizer_fields(optimizer, param)]
-    received: dict[int, list] = {}
-    sent = 0
-    for src, dst in sorted({(a, b) for _, a, b in moves}):
-        units = [u for u, a, b in moves if (a, b) == (src, dst)]
-        if rank == src:
-            slots = [mine_old.index(u) for u in units]
-            buf = torch.cat([_units_slice(t, axis, per, slots).float().movedim(axis, 0)
-                             .reshape(-1) for t, axis, per in tensors])
-            dist.send(buf, dst=dist.get_global_rank(group, dst), group=group)
-            sent += buf.numel() * 4
-        elif rank == dst:
-            sizes = [len(units) * t.numel() // t.shape[axis] * per for t, axis, per in tensors]
-            buf = torch.empty(sum(sizes), device=tensors[0][0].device)
-            dist.recv(buf, src=dist.get_global_rank(group, src), group=group)
-            for k, ((t, axis, per), chunk) in enumerate(zip(tensors, buf.split(sizes))):
-                shape = list(t.shape)
-                shape[axis] = per
-                shape.insert(0, shape.pop(axis))
-                per_unit = chunk.reshape(len(units), *shape)
-                for j, u in enumerate(units):
-                    received.setdefault(u, {})[k] = per_unit[j].movedim(0, axis)
+    received, sent = exchange_units(tensors, old, new, rank, group)
+    mine_old, mine_new = old.units_of(rank), new.units_of(rank)
     with torch.no_grad():
         for k, (t, axis, per) in enumerate(tensors):
-            pieces = [(_units_slice(t, axis, per, [mine_old.index(u)]) if u in mine_old
-                       else received[u][k].to(t.device, t.dtype)) for u in mine_new]
-            filled = torch.cat(pieces, dim=axis)
+            filled = new_layout(t, axis, per, mine_old, mine_new, received, k)
             t.narrow(axis, 0, len(mine_new) * per).copy_(filled)
             t.narrow(axis, len(mine_new) * per, t.shape[axis] - len(mine_new) * per).zero_()
     for p in pairs:
