@@ -77,13 +77,11 @@ def migrate_blocks(blocks: list[FlexTPBlock], optimizer, new: Partition, group=N
     fields = [(block, param, fi, axis, per) for block in blocks
               for param, axis, per in block.sharded()
               for fi in range(1 + len(optimizer.FIELDS))]
-    received, sent = exchange_units([(_tensor(param, fi, optimizer), axis, per)
-                                     for _, param, fi, axis, per in fields], old, new, rank,
-                                    group)
+    tensors = [(_tensor(param, fi, optimizer), axis, per) for _, param, fi, axis, per in fields]
+    received, sent = exchange_units(tensors, old, new, rank, group)
     mine_old, mine_new = old.units_of(rank), new.units_of(rank)
-    layouts = [new_layout(_tensor(param, fi, optimizer), axis, per, mine_old, mine_new,
-                          received, k).contiguous()
-               for k, (_, param, fi, axis, per) in enumerate(fields)]
+    layouts = [new_layout(t, axis, per, mine_old, mine_new, received, k).contiguous()
+               for k, (t, axis, per) in enumerate(tensors)]
     width = 1 + len(optimizer.FIELDS)
     for start in range(0, len(fields), width):
         block, param = fields[start][0], fields[start][1]
