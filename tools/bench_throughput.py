@@ -1101,4 +1101,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if sys.argv[1:2] == ["worker"]:     # a torchrun rank: see end_process
+        from megatron.training.distributed_setup import end_process
+        end_process(status)
+    sys.exit(status)

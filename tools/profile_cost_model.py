@@ -164,3 +164,5 @@ def main(argv=None) -> Path | None:
 
 if __name__ == "__main__":
     main()
+    from megatron.training.distributed_setup import end_process
+    end_process(0)      # not a plain exit: see end_process (torchrun ranks)
