@@ -3,11 +3,15 @@
 A failure prints one line `pretrain_<model>.py: error: ...` (and the traceback only with
 --debug) and exits with status 1. A set-up error that every rank finds alike (bad --data-path,
 tokenizer mismatch, world size) is printed by rank 0 only; any other error by the rank it
-happened on."""
+happened on. The other ranks then leave after rank 0 (at most REPORT_GRACE_S later): a launcher
+such as torchrun stops every rank when the first one exits, which could be before rank 0 printed."""
 import os
 import sys
+import time
 import traceback
 import warnings
+
+REPORT_GRACE_S = 10.0
 
 
 def pretrain(model: str, argv=None) -> int:
@@ -25,6 +29,8 @@ def pretrain(model: str, argv=None) -> int:
         same_everywhere = isinstance(exc, (RunSetupError, ConfigError))
         if int(os.environ.get("RANK", "0")) == 0 or not same_everywhere:
             report_failure(f"pretrain_{model}.py", exc, cfg.debug, same_everywhere)
+        else:
+            time.sleep(REPORT_GRACE_S)    # rank 0 reports it; see the module docstring
         return 1
     return 0
 
