@@ -145,7 +145,7 @@ class FlexPair:
         if (getattr(t, "grad_buffer", None) is not None and t.requires_grad
                 and torch.is_grad_enabled()):
             return UsedSlots.apply(t, axis, rows)
-        return t.narrow(axis, 0, rows) if isinstance(rows, int) else t.index_select(axis, rows)
+        return _select(t, axis, rows)
 
     # timer: wall time on the CPU; on CUDA a pair of events per forward, read when the figures
     # are taken (synchronising at both ends instead would stall the host four times per layer
@@ -185,6 +185,11 @@ class FlexPair:
         self._spans: list = []      # CUDA (start, end) events not yet read
 
 
+def _select(t: torch.Tensor, axis: int, rows: int | torch.Tensor) -> torch.Tensor:
+    """The first `rows` entries of `t` along `axis` (a view), or those an index tensor names."""
+    return t.narrow(axis, 0, rows) if isinstance(rows, int) else t.index_select(axis, rows)
+
+
 class UsedSlots(torch.autograd.Function):
     """The computed slots of a slotted parameter whose gradient goes straight into its fp32
     main_grad slice (GradBuffer.accumulate_part, which also marks it arrived for the DP
@@ -197,9 +202,7 @@ class UsedSlots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, axis, rows):
         ctx.param, ctx.axis, ctx.rows = param, axis, rows
-        if isinstance(rows, int):
-            return param.narrow(axis, 0, rows)
-        return param.index_select(axis, rows)
+        return _select(param, axis, rows)
 
     @staticmethod
     def backward(ctx, grad):
