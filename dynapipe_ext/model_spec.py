@@ -8,6 +8,9 @@ from dataclasses import dataclass
 EMBEDDING = "embedding"          # word (+ learned position) embedding of the GPT / T5-encoder input
 DEC_EMBEDDING = "dec_embedding"  # T5 decoder input embedding (first decoder stage)
 GPT_LAYER = "gpt_layer"
+GPT_ATTENTION = "gpt_attention"  # first half of a GPT layer cut across stages: input norm,
+                                 # self-attention, residual add
+GPT_MLP = "gpt_mlp"              # its second half: pre-MLP norm, MLP, residual add
 ENC_LAYER = "enc_layer"
 DEC_LAYER = "dec_layer"
 ENC_NORM = "enc_final_norm"      # T5 encoder final norm (stage that holds the last encoder layer)
@@ -39,6 +42,9 @@ class ModelSpec:
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     kv_channels: int = 0                      # per-head size; 0 means hidden / heads
+    # GPT: half-layer units (attention, MLP) per pipeline stage, in stage order
+    # (--pipeline-split); () is the even whole-layer split
+    pipeline_cut: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.model not in ("gpt", "t5"):
@@ -53,6 +59,13 @@ class ModelSpec:
                              f"got {self.position_embedding_type!r}")
         if self.position_embedding_type == "relative" and self.model != "t5":
             raise ValueError("relative position buckets are a T5 option")
+        if self.pipeline_cut:
+            if self.model != "gpt":
+                raise ValueError("a pipeline cut into half layers is implemented for GPT only")
+            if min(self.pipeline_cut) < 1 or sum(self.pipeline_cut) != 2 * self.num_layers:
+                raise ValueError(f"pipeline_cut {self.pipeline_cut} must give every stage at "
+                                 f"least one of the {2 * self.num_layers} half-layer units "
+                                 f"and sum to that")
         if not self.kv_channels and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -81,9 +94,13 @@ class ModelSpec:
         return (uses - 1) * self.vocab_size * self.hidden_size / tp
 
     def stage_layers(self, num_stages: int) -> list[tuple[str, ...]]:
-        """Layer kinds of each of `num_stages` (virtual) stages: transformer layers split evenly,
-        embedding on the first stage, the head on the last; T5 encoder layers come first, then
-        decoder layers (a stage may hold the end of the encoder and the start of the decoder)."""
+        """Layer kinds of each of `num_stages` (virtual) stages: transformer layers split evenly
+        (or, with `pipeline_cut`, in half-layer units: a layer cut between two stages is a
+        GPT_ATTENTION at the end of one and a GPT_MLP at the start of the next), embedding on
+        the first stage, the head on the last; T5 encoder layers come first, then decoder
+        layers (a stage may hold the end of the encoder and the start of the decoder)."""
+        if self.pipeline_cut:
+            return self._cut_stage_layers(num_stages)
         if num_stages <= 0 or self.total_layers % num_stages:
             raise ValueError(f"{self.total_layers} transformer layers do not split evenly over "
                              f"{num_stages} pipeline stages")
@@ -104,6 +121,61 @@ class ModelSpec:
                 kinds.append(HEAD)
             stages.append(tuple(kinds))
         return stages
+
+    def _cut_stage_layers(self, num_stages: int) -> list[tuple[str, ...]]:
+        """stage_layers under `pipeline_cut` (unit 2i is layer i's attention, 2i + 1 its MLP)."""
+        if num_stages != len(self.pipeline_cut):
+            raise ValueError(f"pipeline_cut {self.pipeline_cut} is for {len(self.pipeline_cut)} "
+                             f"stages, not {num_stages}")
+        stages, start = [], 0
+        for s, units in enumerate(self.pipeline_cut):
+            end = start + units
+            kinds: list[str] = [EMBEDDING] if s == 0 else []
+            for layer in range(start // 2, (end + 1) // 2):
+                attention, mlp = start <= 2 * layer, 2 * layer + 1 < end
+                kinds.append(GPT_LAYER if attention and mlp
+                             else GPT_ATTENTION if attention else GPT_MLP)
+            if s == num_stages - 1:
+                kinds.append(HEAD)
+            stages.append(tuple(kinds))
+            start = end
+        return stages
+
+    def stage_first_layer(self, num_stages: int, stage: int) -> int:
+        """Global index of the first transformer layer (or half layer) `stage` holds."""
+        if self.pipeline_cut:
+            return sum(self.pipeline_cut[:stage]) // 2
+        return stage * (self.total_layers // num_stages)
+
+
+def balanced_cut(unit_costs, num_stages: int) -> tuple[int, ...]:
+    """Cut a sequence of unit costs into `num_stages` contiguous non-empty runs so that the
+    largest run's sum is least (ties: the earliest such cut); returns the run lengths. Exact
+    dynamic program, O(units^2 x stages): units are half layers, a few hundred at most."""
+    costs = [float(c) for c in unit_costs]
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} units into {num_stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: least max-run sum cutting the first i units into k runs; back[k][i]: last start
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], back[k][i] = value, j
+    runs, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = back[k][i]
+        runs.append(i - j)
+        i = j
+    return tuple(reversed(runs))
 
 
 def stage_output_shapes(stage_layers: tuple[str, ...], rows: int, seq_len: int,
