@@ -1,15 +1,17 @@
 """Stage modules in one process: a model cut into pipeline stages computes what the uncut model
 computes, with identical weights, and packed rows equal their samples run alone."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.model_spec import GPT_ATTENTION, ModelSpec
 from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
-from megatron.model.stages import build_rank_stages, build_transformer_config
+from megatron.model.stages import TIED_EMBEDDING, build_rank_stages, build_transformer_config
 from megatron.training.distributed_setup import check_parallel_sizes
 from multiproc import single_process_world
 
@@ -69,6 +71,47 @@ def test_cut_model_matches_uncut_model(world, spec, num_stages):
     with torch.no_grad():
         torch.testing.assert_close(run_chain(cut, batch), run_chain(whole, batch),
                                    rtol=1e-6, atol=1e-6)
+
+
+def _loss_and_grads(stages, batch):
+    """Mean loss through the stage chain and every parameter's gradient by global name, with
+    each stage's input gradient handed back as the executor does."""
+    inputs, chain = (), []
+    for s in sorted(stages):
+        inputs = tuple(t.detach().requires_grad_() for t in inputs)
+        out = stages[s](inputs, batch)
+        chain.append((inputs, out))
+        inputs = out
+    loss = (inputs * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    for k in range(len(chain) - 2, -1, -1):
+        torch.autograd.backward(chain[k][1], tuple(t.grad for t in chain[k + 1][0]))
+    return loss.detach(), {n: p.grad for m in stages.values()
+                           for n, p in m.named_global_parameters()}
+
+
+@pytest.mark.parametrize("cut", [(5, 3), (3, 5), (1, 2, 4, 1), (2, 2, 2, 2)])
+def test_half_layer_cut_matches_uncut_model_exactly(world, cut):
+    """A GPT cut between a layer's attention and MLP (ModelSpec.pipeline_cut) holds each
+    parameter once and gives the same loss and gradients, bit for bit, as the uncut model."""
+    samples = random_samples("gpt", 5, seed=4)
+    batch = build_micro_batch(unsplit_micro_batch(list(samples), samples, "gpt"),
+                              samples, "gpt", 0)
+    spec = dataclasses.replace(GPT, pipeline_cut=cut)
+    whole, split = build(GPT, 1), build(spec, len(cut))
+    names = [n for m in split.values() for n, _ in m.named_global_parameters()]
+    assert set(names) == {n for n, _ in whole[0].named_global_parameters()}
+    layers = [n for n in names if n.startswith("decoder.layers.")]
+    assert len(layers) == len(set(layers))     # no half layer's weights on two stages
+    loss_whole, grads_whole = _loss_and_grads(whole, batch)
+    loss_split, grads_split = _loss_and_grads(split, batch)
+    assert torch.equal(loss_split, loss_whole)
+    for name, grad in grads_whole.items():
+        if name != TIED_EMBEDDING:   # its copies' gradients are summed by the GradBuffer
+            assert torch.equal(grads_split[name], grad), name
+    kinds = spec.stage_layers(len(cut))
+    assert [split[s].kinds for s in sorted(split)] == kinds
+    assert any(GPT_ATTENTION in k for k in kinds) == any(c % 2 for c in cut)
 
 
 def test_stage_kinds_follow_model_spec(world):

@@ -62,6 +62,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
 )
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -73,7 +74,9 @@ from dynapipe_ext.model_spec import (
     EMBEDDING,
     ENC_LAYER,
     ENC_NORM,
+    GPT_ATTENTION,
     GPT_LAYER,
+    GPT_MLP,
     HEAD,
     ModelSpec,
 )
@@ -254,6 +257,30 @@ def _block(config: TransformerConfig, layer_spec, num_layers: int) -> Transforme
                             post_process=False)
 
 
+def _keep_half(layer, part: str) -> None:
+    """Drop the half of a megatron-core TransformerLayer that another stage runs (GPT_ATTENTION
+    keeps input norm + self-attention, GPT_MLP pre-MLP norm + MLP); its parameters then live
+    only on that stage, under the same global names."""
+    if part == GPT_ATTENTION:
+        layer.pre_mlp_layernorm, layer.mlp = IdentityOp(), IdentityOp()
+    elif part == GPT_MLP:
+        layer.input_layernorm, layer.self_attention = IdentityOp(), IdentityOp()
+
+
+def _run_parts(layers, parts, hidden, mask):
+    """The GPT layers of a stage cut inside a layer: whole layers as TransformerBlock runs
+    them, halves through megatron-core's own two halves of TransformerLayer.forward (the same
+    operations in the same order, so a cut changes no number)."""
+    for layer, part in zip(layers, parts):
+        if part == GPT_MLP:
+            hidden = layer._forward_mlp(hidden)
+        elif part == GPT_ATTENTION:
+            hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask)
+        else:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask)
+    return hidden
+
+
 def norm(config: TransformerConfig) -> torch.nn.Module:
     """A final norm (T5 encoder, head) of config.normalization: megatron-core's torch norm
     (LayerNorm with bias, or RMSNorm with a weight only, as HF's T5LayerNorm)."""
@@ -315,9 +342,10 @@ class StageModule(torch.nn.Module):
         self.config = config
         self.tie_embeddings = tie_embeddings
         self.kinds = spec.stage_layers(num_stages)[stage]
-        per_stage = spec.total_layers // num_stages
-        first_layer = stage * per_stage        # global index of this stage's first layer
-        n_gpt = self.kinds.count(GPT_LAYER)
+        first_layer = spec.stage_first_layer(num_stages, stage)   # global index
+        # GPT layers in order, a layer cut between stages (ModelSpec.pipeline_cut) as its half
+        self.gpt_parts = tuple(k for k in self.kinds if k in (GPT_LAYER, GPT_ATTENTION, GPT_MLP))
+        n_gpt = len(self.gpt_parts)
         n_enc = self.kinds.count(ENC_LAYER)
         n_dec = self.kinds.count(DEC_LAYER)
         self.first_encoder_layer = first_layer
@@ -332,6 +360,9 @@ class StageModule(torch.nn.Module):
                                                  spec.max_position_embeddings, position)
                           if self.has_embedding else None)
         self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
+        if self.decoder is not None:
+            for layer, part in zip(self.decoder.layers, self.gpt_parts):
+                _keep_half(layer, part)
         self.encoder = _block(config, layer_spec(ENC_LAYER), n_enc) if n_enc else None
         self.encoder_norm = norm(config) if ENC_NORM in self.kinds else None
         self.decoder_embedding = (LanguageModelEmbedding(config, spec.vocab_size,
@@ -430,7 +461,11 @@ class StageModule(torch.nn.Module):
         hidden = (self.embedding(batch["tokens"], batch["position_ids"]) if self.has_embedding
                   else inputs[0])
         if self.decoder is not None:
-            hidden = self.decoder(hidden, AttentionMask.of(batch["segments"]))
+            mask = AttentionMask.of(batch["segments"])
+            if all(part == GPT_LAYER for part in self.gpt_parts):
+                hidden = self.decoder(hidden, mask)
+            else:
+                hidden = _run_parts(self.decoder.layers, self.gpt_parts, hidden, mask)
         if self.has_head:
             return self.head(hidden, batch.get("labels"))
         return (hidden,)
