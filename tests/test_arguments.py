@@ -49,6 +49,28 @@ def test_uneven_stage_split_is_rejected_naming_the_flag(capsys):
                                                 "--pipeline-model-parallel-size", "2"])
     assert "5 transformer layers do not split evenly" in err
     assert "--pipeline-model-parallel-size 2" in err
+    assert "--pipeline-split balanced" in err   # says how to run it anyway
+
+
+def test_pipeline_split_lets_layers_cut_unevenly_and_checks_its_units(capsys):
+    cfg = parse_args("gpt", BASE + ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
+                                    "--pipeline-split", "balanced"], has_cuda=False)
+    assert cfg.pipeline_split == "balanced"
+    assert parse_args("gpt", BASE + ["--pipeline-model-parallel-size", "2",
+                                     "--pipeline-split", "5,3"],
+                      has_cuda=False).pipeline_split == "5,3"
+    bad = {"5,4": "sum to 2 x --num-layers = 8",
+           "8,0": "sum to 2 x --num-layers = 8",
+           "half": "must be even, balanced or half-layer units"}
+    for value, message in bad.items():
+        err = parse_or_exit_message(capsys, "gpt", ["--pipeline-model-parallel-size", "2",
+                                                    "--pipeline-split", value])
+        assert "--pipeline-split" in err and message in err, (value, err)
+    err = parse_or_exit_message(capsys, "t5", ["--pipeline-model-parallel-size", "2",
+                                               "--pipeline-split", "balanced"])
+    assert "--pipeline-split balanced is implemented for GPT only" in err
+    err = parse_or_exit_message(capsys, "gpt", ["--pipeline-split", "balanced"])
+    assert "needs --pipeline-model-parallel-size > 1" in err
 
 
 def test_several_problems_are_reported_together(capsys):

@@ -41,7 +41,17 @@ LAYOUTS = {
     "dp2": (2, 1, 1, "1f1b"),
     "tp2_pp2": (4, 2, 2, "1f1b"),
     "pp2_wave": (2, 1, 2, "wave"),
+    "pp2_cut": (2, 1, 2, "1f1b"),
+    "pp2_wave_cut": (2, 1, 2, "wave"),
 }
+# GPT stages cut inside layers (ModelSpec.pipeline_cut, half-layer units per stage); these
+# layouts run the GPT cases only
+CUTS = {"pp2_cut": (5, 3), "pp2_wave_cut": (3, 2, 2, 1)}
+
+
+def spec_of(model: str, layout_name: str) -> ModelSpec:
+    cut = CUTS.get(layout_name, ())
+    return dataclasses.replace(SPECS[model], pipeline_cut=cut) if cut else SPECS[model]
 
 
 def global_batch(model: str, n: int = 14) -> dict:
@@ -67,9 +77,9 @@ def lengths_of(samples, model):
     return [(len(samples[i][0]), len(samples[i][1])) for i in sorted(samples)]
 
 
-def plan_replica(model, style, num_stages, tp, dp, dp_rank):
+def plan_replica(model, style, num_stages, tp, dp, dp_rank, spec=None):
     """This replica's micro-batches from the real planner, with recompute modes cycled."""
-    spec = SPECS[model]
+    spec = spec or SPECS[model]
     samples = global_batch(model)
     config = PlannerConfig(model=model, max_seq_len=MAX_SEQ,
                            max_dec_seq_len=MAX_DEC if model == "t5" else 0,
@@ -86,7 +96,7 @@ def plan_replica(model, style, num_stages, tp, dp, dp_rank):
     return samples, mbs, plan
 
 
-def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
+def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=None):
     """One training step of one case on this rank; returns (loss, full grads by name).
     Gradients go through the real GradBuffer (fp32 main grads, DP buckets reduced during the
     last backward of each stage)."""
@@ -102,9 +112,10 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32"):
                                             make_handlers)
     from megatron.training.reference import gather_full_grads
 
-    spec = SPECS[model]
+    spec = spec or SPECS[model]
     num_stages = 2 * pp if schedule_name == "wave" else pp
-    samples, mbs, _ = plan_replica(model, style, num_stages, tp, layout.dp, layout.dp_rank)
+    samples, mbs, _ = plan_replica(model, style, num_stages, tp, layout.dp, layout.dp_rank,
+                                   spec)
     schedule = (wave(len(mbs), pp) if schedule_name == "wave" else one_f_one_b(len(mbs), pp))
     plans = lower(schedule, mbs, spec, dtype=dtype)
     plan = plans[layout.pp_rank]
@@ -133,7 +144,8 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
     results."""
     from megatron.training.distributed_setup import setup_model_parallel
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
-    cases = cases or [(model, style) for model in SPECS for style in STYLES]
+    models = ("gpt",) if layout_name in CUTS else tuple(SPECS)
+    cases = cases or [(model, style) for model in models for style in STYLES]
     results = {}
     for model in SPECS:
         if not any(m == model for m, _ in cases):
@@ -142,7 +154,7 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
         for style in STYLES:
             if (model, style) in cases:
                 results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout,
-                                                   dtype)
+                                                   dtype, spec_of(model, layout_name))
     return results if rank == 0 else None
 
 

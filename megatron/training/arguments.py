@@ -129,6 +129,7 @@ class TrainConfig:
     kv_channels: int = 0                        # --kv-channels; 0: hidden / heads
     vocab_extra_ids: int | None = None          # T5SentencePieceTokenizer sentinels (None: 100)
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE  # padded vocabulary: this x TP
+    pipeline_split: str = "even"                # --pipeline-split: even, balanced, or units
     # FlexTP straggler handling (megatron/flextp/stage_balance.py)
     tp_balance: str = "off"                     # --tp-balance: off, resize, migrate, semi
     flextp_interval: int = 10
@@ -185,10 +186,12 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--ffn-hidden-size {cfg.ffn_hidden_size} is not divisible by "
          f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size}")
     total_layers = cfg.num_layers + cfg.decoder_num_layers
-    need(cfg.pipeline_model_parallel_size <= 0
+    need(cfg.pipeline_model_parallel_size <= 0 or cfg.pipeline_split != "even"
          or total_layers % cfg.pipeline_model_parallel_size == 0,
          f"{total_layers} transformer layers do not split evenly over "
-         f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size} stages")
+         f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size} stages "
+         f"(GPT: --pipeline-split balanced cuts stages in half layers)")
+    problems += pipeline_split_problems(cfg)
     need(cfg.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm, got {cfg.normalization!r}")
     need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
@@ -304,6 +307,34 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems + flextp_problems(cfg)
+
+
+def split_units(value: str) -> tuple[int, ...] | None:
+    """--pipeline-split as half-layer units per stage ("5,3"), or None for even / balanced."""
+    if value in ("even", "balanced"):
+        return None
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"--pipeline-split must be even, balanced or half-layer units per "
+                         f"stage such as 5,3; got {value!r}") from None
+
+
+def pipeline_split_problems(cfg: TrainConfig) -> list[str]:
+    """What --pipeline-split cannot do (empty when fine)."""
+    if cfg.pipeline_split == "even":
+        return []
+    try:
+        units = split_units(cfg.pipeline_split)
+    except ValueError as exc:
+        return [str(exc)]
+    checks = [(cfg.model == "gpt", "is implemented for GPT only (pretrain_gpt.py)"),
+              (cfg.tp_balance == "off", "cannot be combined with --tp-balance"),
+              (cfg.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1"),
+              (units is None or (min(units) >= 1 and sum(units) == 2 * cfg.num_layers),
+               f"units must each be >= 1 and sum to 2 x --num-layers = {2 * cfg.num_layers} "
+               f"(a layer's attention and MLP halves)")]
+    return [f"--pipeline-split {cfg.pipeline_split} {why}" for ok, why in checks if not ok]
 
 
 def flextp_problems(cfg: TrainConfig) -> list[str]:
@@ -467,6 +498,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-split", default="even",
+                   help="how GPT layers are cut into pipeline stages: 'even': whole layers "
+                        "(they must divide evenly); 'balanced': in half layers (attention | "
+                        "MLP), so that the stages' predicted times, output layer included, "
+                        "are as even as they can be; or half-layer units per (virtual) "
+                        "stage, e.g. 5,3")
     g.add_argument("--distributed-timeout-minutes", type=float, default=None,
                    help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
 
@@ -754,7 +791,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         relative_attention_max_distance=args.relative_attention_max_distance,
         vocab_extra_ids=args.vocab_extra_ids,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        tp_balance=args.tp_balance, flextp_interval=args.flextp_interval,
+        pipeline_split=args.pipeline_split, tp_balance=args.tp_balance, flextp_interval=args.flextp_interval,
         flextp_max_drop_fraction=args.flextp_max_drop_fraction,
         flextp_accuracy_weight=args.flextp_accuracy_weight,
         flextp_min_horizon=args.flextp_min_horizon, flextp_patience=args.flextp_patience,

@@ -37,7 +37,8 @@ from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
                                    replica_groups)
 from megatron.training import checkpointing, device_costs
-from megatron.training.arguments import VOCAB_MULTIPLE, TrainConfig, check_device_precision
+from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
+                                         split_units)
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
@@ -227,6 +228,35 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      kv_channels=cfg.kv_channels)
 
 
+def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int,
+                 lengths: np.ndarray) -> tuple[int, ...]:
+    """ModelSpec.pipeline_cut of --pipeline-split for `num_stages` (virtual) stages: () for
+    'even', the given half-layer units, or 'balanced': the cut (balanced_cut) that evens the
+    stages' forward + backward time as the analytic cost model predicts it per half layer
+    (embedding counted with the first, output layer and loss with the last) at the
+    token-weighted mean length of `lengths` (a global batch's samples): a token of the data
+    sits in a sample that long on average, and attention grows with it."""
+    units = split_units(cfg.pipeline_split)
+    if cfg.pipeline_split == "even":
+        return ()
+    if units is not None:
+        if len(units) != num_stages:
+            raise ValueError(f"--pipeline-split {cfg.pipeline_split} gives {len(units)} stages; "
+                             f"this run has {num_stages}")
+        return units
+    from dynapipe_ext.cost_model import AnalyticCostModel
+    from dynapipe_ext.model_spec import balanced_cut
+    per_unit = dataclasses.replace(spec, pipeline_cut=(1,) * (2 * spec.num_layers))
+    model = AnalyticCostModel(per_unit, tp=cfg.tensor_model_parallel_size,
+                              dtype_bytes=2 if cfg.bf16 else 4,
+                              sigmoid_gelu=not (cfg.bf16 or use_cuda()))
+    lengths = np.asarray(lengths, dtype=np.float64).reshape(len(lengths), -1).sum(axis=1)
+    seq = float(min(cfg.seq_length, max(1.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
+    costs = model.stage_cost_arrays(np.array([1.0]), np.array([seq]), np.array([0.0]),
+                                    len(per_unit.pipeline_cut))
+    return balanced_cut((costs.fwd_ms + costs.bwd_ms)[:, 0], num_stages)
+
+
 def model_dtype(cfg: TrainConfig) -> str:
     return "bfloat16" if cfg.bf16 else "float32"
 
@@ -360,9 +390,17 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
     stage_to_rank = pipeline_layout(plan_cfg)
+    if cfg.pipeline_split != "even":     # the same cut on every rank: same flags, same data
+        try:
+            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0))
+            spec = dataclasses.replace(spec, pipeline_cut=cut)
+        except ValueError as err:
+            raise RunSetupError(str(err)) from err
+        plan_cfg = dataclasses.replace(plan_cfg, spec=spec)
     layout = setup_model_parallel(
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
-        timeout_s=cfg.distributed_timeout_minutes * 60, total_layers=spec.total_layers,
+        timeout_s=cfg.distributed_timeout_minutes * 60,
+        total_layers=None if spec.pipeline_cut else spec.total_layers,
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     if cfg.cost_model == "profile":      # made on first use, then read from the cache
