@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM, GPT_LAYER,
-                         HEAD, ModelSpec)
+from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
+                         GPT_ATTENTION, GPT_LAYER, GPT_MLP, HEAD, ModelSpec)
+
+# Transformer layer kinds and how much of a whole layer each is (weight of the per-layer
+# overhead); WHOLE_LAYER maps a half-layer kind to the layer it is half of.
+LAYER_UNITS = {GPT_LAYER: 1.0, ENC_LAYER: 1.0, DEC_LAYER: 1.0, GPT_ATTENTION: 0.5, GPT_MLP: 0.5}
+WHOLE_LAYER = {GPT_ATTENTION: GPT_LAYER, GPT_MLP: GPT_LAYER}
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,35 @@ def shape_feasible(model: str, rows: np.ndarray, seq_len: np.ndarray, dec_seq_le
 
 # ------------------------------------------------------------------ analytic (FLOP / byte) model
 
+class LayerTerms(NamedTuple):
+    """Cost terms of a transformer layer (or half layer) before a recompute mode combines
+    them: flops of its linear layers and of its attention core, bytes kept outside / inside
+    the attention core, transient bytes, and the bytes of its input (all that 'full'
+    recompute keeps of a checkpoint unit)."""
+
+    lin: np.ndarray
+    att: np.ndarray
+    kept_lin: np.ndarray
+    kept_att: np.ndarray
+    transient: np.ndarray
+    layer_in: np.ndarray
+
+    def plus(self, later: "LayerTerms") -> "LayerTerms":
+        """This part followed by `later` as one checkpoint unit: terms add, the input is this
+        part's."""
+        return LayerTerms(*(x + y for x, y in zip(self[:-1], later[:-1])), self.layer_in)
+
+    def under(self, recompute: str, zero):
+        """(fwd flops, extra recompute flops, kept bytes, transient bytes) under `recompute`:
+        'selective' recomputes the attention core, 'full' the whole unit from its input."""
+        fwd = self.lin + self.att
+        if recompute == "none":
+            return fwd, zero, self.kept_lin + self.kept_att, self.transient
+        if recompute == "selective":
+            return fwd, self.att, self.kept_lin, self.transient + self.kept_att
+        return fwd, fwd, self.layer_in, self.transient + self.kept_lin + self.kept_att
+
+
 class AnalyticCostModel(CostModel):
     """Costs from FLOPs and activation bytes, for tests and for planning before a profile exists.
 
@@ -111,7 +146,17 @@ class AnalyticCostModel(CostModel):
     input for backward, as torch's kernel does, but its backward holds two [tokens, ffn]
     temporaries more (sigmoid and du/dx beside the result; measured in
     tests/test_memory_bench.py), counted in the transient bytes. Shapes longer than
-    `max_seq_len` / `max_dec_seq_len` are infeasible."""
+    `max_seq_len` / `max_dec_seq_len` are infeasible.
+
+    GPT half layers (ModelSpec.pipeline_cut): GPT_ATTENTION has the QKV / projection linears,
+    the s^2 attention flops, the attention core's kept and transient bytes, and Korthikanti's
+    attention-block share of the rest (its norm and QKV inputs, Q, K, V and the projection
+    input); GPT_MLP has the MLP linears, its norm and fc1 inputs, the fc1 / activation outputs
+    and the MLP transient. A whole GPT layer is computed as the sum of the two, so they add
+    up to it exactly in flops, recompute flops, kept bytes, transient bytes and parameters -
+    except kept bytes under 'full' recompute: each half is its own checkpoint unit and keeps
+    its own input, so the two keep 2 x layer input where the whole layer keeps one. A half
+    counts as half a layer in the per-layer overhead."""
 
     def __init__(self, spec: ModelSpec, tp: int = 1, device_flops: float = 1e12,
                  device_mem_bytes: float = 16 * 2**30, bytes_per_param_state: float = 16,
@@ -155,10 +200,15 @@ class AnalyticCostModel(CostModel):
         m = self.mlp_matrices
         positions = (self.spec.max_position_embeddings * h
                      if self.spec.position_embedding_type == "learned_absolute" else 0)
+        attention, mlp = 4 * h * h / tp, m * h * f / tp   # QKV + projection; fc1 (+ gate), fc2
+        if kind == GPT_ATTENTION:
+            return attention
+        if kind == GPT_MLP:
+            return mlp
         if kind in (GPT_LAYER, ENC_LAYER):
-            return (4 * h * h + m * h * f) / tp
+            return attention + mlp
         if kind == DEC_LAYER:
-            return (8 * h * h + m * h * f) / tp
+            return 2 * attention + mlp     # self- and cross-attention
         if kind == EMBEDDING:
             return v * h / tp + positions
         if kind == DEC_EMBEDDING:
@@ -181,60 +231,96 @@ class AnalyticCostModel(CostModel):
     # ---- per-layer costs (vectorised over shapes)
     def _layer_cost(self, kind: str, b, s, d, recompute: str):
         """(fwd_flops, extra recompute flops, kept bytes, transient bytes) of one layer kind."""
-        h, f, a, v = (self.spec.hidden_size, self.spec.ffn_size, self.spec.num_attention_heads,
-                      self.spec.vocab_size)
-        tp, dt = self.tp, self.dtype_bytes
-        half = dt / 2.0
+        h, v, tp, dt = self.spec.hidden_size, self.spec.vocab_size, self.tp, self.dtype_bytes
         zero = np.zeros_like(b)
-        masks = 1.0 if self.dropout else 0.0      # 1-byte dropout masks, per sbh
-        att_copies = 5.0 if self.dropout else 2.0  # softmax out (+ dropout mask and output)
-        # MLP: m h x f matrices; kept fc1 output and activation output (2f), gated: fc1 output
-        # (2f), activation of the gate and the product (4f); the transient activation grows alike
-        m = self.mlp_matrices
-        kept_f = 2 * m - 2
-        # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
-        # call with that mask, attention.SDPAttention._biased), kept for backward
-        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
-        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0   # per token
-        if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
-            if kind == DEC_LAYER:
-                lin = 2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp
-                att = 4 * b * d * d * h / tp + 4 * b * s * d * h / tp
-                kept_lin = half * ((12 + 3 * masks) * b * d * h
-                                   + (12 * b * d * h + 2 * kept_f * b * d * f + 4 * b * s * h)
-                                   / tp)
-                kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
-                            else half * att_copies * a * b * (d * d + s * d) / tp) \
-                    + biased * dt * a * b * d * d / tp
-                score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
-                layer_in = dt * b * d * h
-                ffn = dt * b * d * f * (m - 1) / tp + gelu_temps * b * d
-            else:
-                lin = 2 * b * s * (4 * h * h + m * h * f) / tp
-                att = 4 * b * s * s * h / tp
-                kept_lin = half * ((8 + 2 * masks) * b * s * h
-                                   + (8 * b * s * h + 2 * kept_f * b * s * f) / tp)
-                kept_att = (4.0 * a * b * s / tp if self.fused_attention
-                            else half * att_copies * a * b * s * s / tp) \
-                    + biased * dt * a * b * s * s / tp
-                score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
-                layer_in = dt * b * s * h
-                ffn = dt * b * s * f * (m - 1) / tp + gelu_temps * b * s
-            transient = 2 * score + ffn
-            if recompute == "none":
-                return lin + att, zero, kept_lin + kept_att, transient
-            if recompute == "selective":
-                return lin + att, att, kept_lin, transient + kept_att
-            return lin + att, lin + att, layer_in, transient + kept_lin + kept_att
+        if kind in LAYER_UNITS:
+            return self._layer_terms(kind, b, s, d).under(recompute, zero)
         if kind in (EMBEDDING, ENC_NORM):
-            return 2 * b * s * h, zero, half * b * s * h, dt * b * s * h
+            return 2 * b * s * h, zero, dt / 2 * b * s * h, dt * b * s * h
         if kind == DEC_EMBEDDING:
-            return 2 * b * d * h, zero, half * b * d * h, dt * b * d * h
+            return 2 * b * d * h, zero, dt / 2 * b * d * h, dt * b * d * h
         if kind == HEAD:
             tokens = b * d if self.spec.model == "t5" else b * s
             logits = 4.0 * tokens * v / tp      # fp32 softmax kept by the cross-entropy
             return 2 * tokens * h * v / tp, zero, dt * tokens * h + logits, logits
         raise ValueError(f"unknown layer kind {kind!r}")
+
+    def _layer_terms(self, kind: str, b, s, d) -> "LayerTerms":
+        """LayerTerms of a transformer layer kind: a GPT / T5 encoder layer is its attention
+        half plus its MLP half (one checkpoint unit, one input); GPT_ATTENTION / GPT_MLP are
+        those halves alone (each its own checkpoint unit with its own input)."""
+        if kind == DEC_LAYER:
+            return self._decoder_terms(b, s, d)
+        attention, mlp = self._attention_terms(b, s), self._mlp_terms(b, s)
+        if kind == GPT_ATTENTION:
+            return attention
+        if kind == GPT_MLP:
+            return mlp
+        return attention.plus(mlp)
+
+    def _kept_units(self):
+        """(bytes per kept 2-byte element, 1-byte dropout masks per sbh, attention copies kept
+        by an unfused attention: softmax output (+ dropout mask and output))."""
+        masks = 1.0 if self.dropout else 0.0
+        return self.dtype_bytes / 2.0, masks, (5.0 if self.dropout else 2.0)
+
+    def _attention_terms(self, b, s) -> "LayerTerms":
+        """Input norm, self-attention (QKV, core, projection) and residual add over length s.
+        Kept (Korthikanti et al.'s attention block): norm input and QKV input (+ mask) per
+        rank, Q, K, V and the projection input split by TP, and the core's own tensors."""
+        h, a, tp, dt = (self.spec.hidden_size, self.spec.num_attention_heads, self.tp,
+                        self.dtype_bytes)
+        half, masks, att_copies = self._kept_units()
+        # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
+        # call with that mask, attention.SDPAttention._biased), kept for backward
+        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
+        kept_att = (4.0 * a * b * s / tp if self.fused_attention
+                    else half * att_copies * a * b * s * s / tp) + biased * dt * a * b * s * s / tp
+        score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
+        return LayerTerms(lin=2 * b * s * 4 * h * h / tp, att=4 * b * s * s * h / tp,
+                          kept_lin=half * ((4 + masks) * b * s * h + 8 * b * s * h / tp),
+                          kept_att=kept_att, transient=2 * score + np.zeros_like(b),
+                          layer_in=dt * b * s * h)
+
+    def _mlp_terms(self, b, s) -> "LayerTerms":
+        """Pre-MLP norm, MLP (fc1, GeLU, fc2) and residual add over length s. Kept: norm input
+        and fc1 input (+ mask) per rank, fc1 and activation outputs split by TP."""
+        h, f, tp, dt = self.spec.hidden_size, self.spec.ffn_size, self.tp, self.dtype_bytes
+        half, masks, _ = self._kept_units()
+        m = self.mlp_matrices
+        # kept fc1 output and activation output (2f); gated: fc1 output (2f), activation of
+        # the gate and the product (4f); the transient activation grows alike
+        kept_f = 2 * m - 2
+        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0   # per token
+        zero = np.zeros_like(b)
+        return LayerTerms(lin=2 * b * s * m * h * f / tp, att=zero,
+                          kept_lin=half * ((4 + masks) * b * s * h + 2 * kept_f * b * s * f / tp),
+                          kept_att=zero,
+                          transient=dt * b * s * f * (m - 1) / tp + gelu_temps * b * s,
+                          layer_in=dt * b * s * h)
+
+    def _decoder_terms(self, b, s, d) -> "LayerTerms":
+        """A T5 decoder layer (self-attention over d, cross-attention over the encoder's s,
+        MLP), as one unit."""
+        h, f, a, tp, dt = (self.spec.hidden_size, self.spec.ffn_size,
+                           self.spec.num_attention_heads, self.tp, self.dtype_bytes)
+        half, masks, att_copies = self._kept_units()
+        m = self.mlp_matrices
+        kept_f = 2 * m - 2
+        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
+        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0
+        kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
+                    else half * att_copies * a * b * (d * d + s * d) / tp) \
+            + biased * dt * a * b * d * d / tp
+        score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
+        return LayerTerms(
+            lin=2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp,
+            att=4 * b * d * d * h / tp + 4 * b * s * d * h / tp,
+            kept_lin=half * ((12 + 3 * masks) * b * d * h
+                             + (12 * b * d * h + 2 * kept_f * b * d * f + 4 * b * s * h) / tp),
+            kept_att=kept_att,
+            transient=2 * score + dt * b * d * f * (m - 1) / tp + gelu_temps * b * d,
+            layer_in=dt * b * d * h)
 
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:
@@ -259,7 +345,7 @@ class AnalyticCostModel(CostModel):
             for kind in dict.fromkeys(kinds):
                 count = kinds.count(kind)
                 fwd, extra, kept, transient = per_kind[kind]
-                over = self.layer_overhead_ms if kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER) else 0.0
+                over = self.layer_overhead_ms * LAYER_UNITS.get(kind, 0.0)
                 out[0, k] += count * (fwd * per_ms + over)
                 out[1, k] += count * ((2 * fwd + extra) * per_ms + 2 * over)
                 out[2, k] += count * kept
@@ -293,6 +379,32 @@ class AnalyticCostModel(CostModel):
             rematerialised = rematerialised + stages[k].count(kind) * kept_none
             transient = np.maximum(transient, transient_none)
         return kept, rematerialised + transient
+
+
+def half_layer_shares(spec: ModelSpec, tp: int = 1, b=1.0, s=1.0, recompute: str = "none",
+                      dtype_bytes: int = 4) -> dict[str, dict[str, np.ndarray]]:
+    """Each GPT half layer's share of its whole layer in the analytic model (default options:
+    no dropout, fused attention, as the trainer builds layers) at shapes (rows b, length s):
+    {GPT_ATTENTION: {field: share}, GPT_MLP: {...}} for "fwd_ms" (by forward flops), "bwd_ms"
+    (by 2 x forward + recompute flops), "activation_bytes" (by kept bytes) and "param_count".
+    For cost models that know whole layers only: a profile times whole megatron-core
+    TransformerLayers (the module the profiler runs), so a half's cost is its layer's measured
+    cost times this share. The two shares add up to 1, except kept bytes under 'full'
+    recompute: each half keeps its own input, i.e. all that the whole layer keeps (share 1
+    each)."""
+    model = AnalyticCostModel(spec, tp=tp, dtype_bytes=dtype_bytes)
+    # at least one row / token: a query bounded below the grid may ask for 0
+    b, s = (np.maximum(x, 1.0) for x in np.broadcast_arrays(np.asarray(b, np.float64),
+                                                              np.asarray(s, np.float64)))
+
+    def costs(kind):
+        fwd, extra, kept, _ = model._layer_cost(kind, b, s, np.zeros_like(b), recompute)
+        return {"fwd_ms": fwd, "bwd_ms": 2 * fwd + extra, "activation_bytes": kept,
+                "param_count": model.layer_params(kind)}
+
+    whole = costs(GPT_LAYER)
+    return {kind: {name: value / whole[name] for name, value in costs(kind).items()}
+            for kind in (GPT_ATTENTION, GPT_MLP)}
 
 
 # ------------------------------------------------------------------ micro-batch costing

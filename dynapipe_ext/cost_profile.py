@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost_model import CostModel, StageCostArrays
-from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM, GPT_LAYER,
-                         HEAD, ModelSpec)
+from .cost_model import WHOLE_LAYER, CostModel, StageCostArrays, half_layer_shares
+from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
+                         GPT_ATTENTION, GPT_LAYER, HEAD, ModelSpec)
 
 PROFILE_VERSION = 1
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -49,6 +49,7 @@ TIME_FIELDS = ("fwd_ms", "bwd_ms")
 # Model-state bytes per parameter with Adam: fp32 training = param 4 + grad 4 + m 4 + v 4 = 16;
 # bf16/fp16 mixed precision = half param 2 + fp32 main grad 4 + fp32 master param 4 + m 4 + v 4.
 STATE_BYTES_PER_PARAM = {"float32": 16, "bfloat16": 18, "float16": 18}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class ProfileError(ValueError):
@@ -419,7 +420,17 @@ class ProfiledCostModel(CostModel):
     layers (ModelSpec.stage_layers), shared tensors (masks, encoder output) counted once per
     stage, its transient peak the largest of its layers'. The memory left for activations is
     `device_memory_bytes` minus the model states (parameters x `bytes_per_param_state`, see
-    STATE_BYTES_PER_PARAM) of the heaviest rank."""
+    STATE_BYTES_PER_PARAM) of the heaviest rank.
+
+    GPT half layers (ModelSpec.pipeline_cut) are not profiled: the profiler runs whole
+    megatron-core TransformerLayers, and the profile's key ignores the cut. A half is its
+    whole GPT_LAYER's measured cost times its analytic share (cost_model.half_layer_shares)
+    in time, kept bytes and parameters; its transient peak is taken as the whole layer's (a
+    peak is a maximum, not a sum: a half runs a part of the layer's operations at the same
+    shapes, so the whole layer's peak bounds it, where an analytic share could understate it:
+    the analytic model counts no transient for a fused attention without recompute); the
+    shared tensors (segment ids: attention masks) go with the attention half and count once
+    per stage with the whole layers'."""
 
     def __init__(self, profile: CostProfile, device_memory_bytes: float | None = None,
                  bytes_per_param_state: float | None = None, num_stages: int = 1,
@@ -445,8 +456,19 @@ class ProfiledCostModel(CostModel):
     # ---- model states
     def model_state_bytes(self, num_stages: int) -> list[float]:
         """Parameter + gradient + optimizer bytes of each stage (one TP rank)."""
-        return [sum(self.profile.param_count[kind] for kind in kinds) * self.bytes_per_param_state
+        return [sum(self._param_count(kind) for kind in kinds) * self.bytes_per_param_state
                 for kinds in self.spec.stage_layers(num_stages)]
+
+    def _param_count(self, kind: str) -> float:
+        """Parameters of one layer kind (a half layer: its share of the whole layer's)."""
+        if kind in WHOLE_LAYER:
+            share = half_layer_shares(self.spec, self._tp)[kind]["param_count"]
+            return self.profile.param_count[WHOLE_LAYER[kind]] * share
+        return self.profile.param_count[kind]
+
+    @property
+    def _tp(self) -> int:
+        return int(self.profile.key.get("tensor_model_parallel_size", 1))
 
     def activation_memory_limit(self, num_stages: int | None = None,
                                 stage_to_rank: tuple[int, ...] | None = None) -> float:
@@ -471,21 +493,41 @@ class ProfiledCostModel(CostModel):
         query = {"rows": b, "seq_len": np.broadcast_to(np.asarray(seq_len, np.float64), b.shape),
                  "dec_seq_len": np.broadcast_to(np.asarray(dec_seq_len, np.float64), b.shape)}
         stages = self.spec.stage_layers(num_stages)
-        per_kind = {kind: self._interpolate(self.profile.table(kind, recompute), query)
-                    for kind in {k for kinds in stages for k in kinds}}
+        used = {k for kinds in stages for k in kinds}
+        measured = {kind: self._interpolate(self.profile.table(kind, recompute), query)
+                    for kind in {WHOLE_LAYER.get(k, k) for k in used}}
+        per_kind = {kind: (self._half_layer(kind, measured[WHOLE_LAYER[kind]][0], query,
+                                            recompute), measured[WHOLE_LAYER[kind]][1])
+                    if kind in WHOLE_LAYER else measured[kind] for kind in used}
         out = np.zeros((4, num_stages) + b.shape)
         feasible = np.ones(b.shape, dtype=bool)
         for s, kinds in enumerate(stages):
+            shared = {}   # per measured kind: a half layer shares its whole layer's tensors
             for kind in dict.fromkeys(kinds):
                 vals, ok = per_kind[kind]
                 count = kinds.count(kind)
                 feasible &= ok
                 out[0, s] += count * vals["fwd_ms"]
                 out[1, s] += count * vals["bwd_ms"]
-                out[2, s] += count * vals["activation_bytes"] + vals["shared_bytes"]
+                out[2, s] += count * vals["activation_bytes"]
+                whole = WHOLE_LAYER.get(kind, kind)
+                shared[whole] = np.maximum(shared.get(whole, 0.0), vals["shared_bytes"])
                 np.maximum(out[3, s], vals["peak_bytes"], out=out[3, s])
+            out[2, s] += sum(shared.values())
         out[:, :, ~feasible] = 0.0
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
+
+    def _half_layer(self, kind: str, whole: dict, query: dict, recompute: str) -> dict:
+        """Fields of a half layer from its whole layer's interpolated fields (see the class
+        docstring)."""
+        shares = half_layer_shares(self.spec, self._tp, query["rows"], query["seq_len"],
+                                   recompute, DTYPE_BYTES[self.profile.key["dtype"]])[kind]
+        return {"fwd_ms": whole["fwd_ms"] * shares["fwd_ms"],
+                "bwd_ms": whole["bwd_ms"] * shares["bwd_ms"],
+                "activation_bytes": whole["activation_bytes"] * shares["activation_bytes"],
+                "shared_bytes": whole["shared_bytes"] if kind == GPT_ATTENTION
+                else np.zeros_like(whole["shared_bytes"]),
+                "peak_bytes": whole["peak_bytes"]}
 
     def _interpolate(self, table: LayerTable, query: dict):
         """table.interpolate, with rows above the grid scaled from its largest rows when
