@@ -228,14 +228,15 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      kv_channels=cfg.kv_channels)
 
 
-def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int,
-                 lengths: np.ndarray) -> tuple[int, ...]:
+def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int, lengths: np.ndarray,
+                 cost_source) -> tuple[int, ...]:
     """ModelSpec.pipeline_cut of --pipeline-split for `num_stages` (virtual) stages: () for
     'even', the given half-layer units, or 'balanced': the cut (balanced_cut) that evens the
-    stages' forward + backward time as the analytic cost model predicts it per half layer
-    (embedding counted with the first, output layer and loss with the last) at the
-    token-weighted mean length of `lengths` (a global batch's samples): a token of the data
-    sits in a sample that long on average, and attention grows with it."""
+    stages' forward + backward time as the run's cost model (`cost_source`: analytic, or the
+    run's profile) predicts it per half layer, the embedding counted with the first and the
+    output layer and loss with the last, at the token-weighted mean length of `lengths` (a
+    global batch's samples): a token of the data sits in a sample that long on average, and
+    attention grows with it."""
     units = split_units(cfg.pipeline_split)
     if cfg.pipeline_split == "even":
         return ()
@@ -244,15 +245,14 @@ def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int,
             raise ValueError(f"--pipeline-split {cfg.pipeline_split} gives {len(units)} stages; "
                              f"this run has {num_stages}")
         return units
-    from dynapipe_ext.cost_model import AnalyticCostModel
+    from dynapipe_ext.iteration_planner import build_cost_model
     from dynapipe_ext.model_spec import balanced_cut
     per_unit = dataclasses.replace(spec, pipeline_cut=(1,) * (2 * spec.num_layers))
-    model = AnalyticCostModel(per_unit, tp=cfg.tensor_model_parallel_size,
-                              dtype_bytes=2 if cfg.bf16 else 4,
-                              sigmoid_gelu=not (cfg.bf16 or use_cuda()))
+    model = build_cost_model(cost_source, per_unit, cfg.tensor_model_parallel_size,
+                             len(per_unit.pipeline_cut))
     lengths = np.asarray(lengths, dtype=np.float64).reshape(len(lengths), -1).sum(axis=1)
-    seq = float(min(cfg.seq_length, max(1.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
-    costs = model.stage_cost_arrays(np.array([1.0]), np.array([seq]), np.array([0.0]),
+    seq = round(min(cfg.seq_length, max(1.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
+    costs = model.stage_cost_arrays(np.array([1.0]), np.array([float(seq)]), np.array([0.0]),
                                     len(per_unit.pipeline_cut))
     return balanced_cut((costs.fwd_ms + costs.bwd_ms)[:, 0], num_stages)
 
@@ -390,17 +390,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
     stage_to_rank = pipeline_layout(plan_cfg)
-    if cfg.pipeline_split != "even":     # the same cut on every rank: same flags, same data
-        try:
-            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0))
-            spec = dataclasses.replace(spec, pipeline_cut=cut)
-        except ValueError as err:
-            raise RunSetupError(str(err)) from err
-        plan_cfg = dataclasses.replace(plan_cfg, spec=spec)
     layout = setup_model_parallel(
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
         timeout_s=cfg.distributed_timeout_minutes * 60,
-        total_layers=None if spec.pipeline_cut else spec.total_layers,
+        total_layers=spec.total_layers if cfg.pipeline_split == "even" else None,
         num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     if cfg.cost_model == "profile":      # made on first use, then read from the cache
@@ -413,6 +406,14 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
+    if cfg.pipeline_split != "even":     # the same cut on every rank: same flags, same data
+        try:
+            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0),
+                               plan_cfg.cost_model)
+        except ValueError as err:
+            raise RunSetupError(str(err)) from err
+        spec = dataclasses.replace(spec, pipeline_cut=cut)
+        plan_cfg = dataclasses.replace(plan_cfg, spec=spec)
     stages = build_stages(cfg, spec, layout, stage_to_rank)
     flextp = None
     if cfg.tp_balance != "off":    # uneven TP slots; before the gradient buffer sees shapes
@@ -529,6 +530,16 @@ def agree_on_start(start: int, load_dir: str, layout: ParallelLayout) -> int:
     return start
 
 
+def describe_stage(kinds: tuple[str, ...]) -> str:
+    """A stage's layers in a few words: '3.5 layers + head' (a half layer counts 0.5)."""
+    from dynapipe_ext.model_spec import EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP, HEAD
+    layers = kinds.count(GPT_LAYER) + 0.5 * (kinds.count(GPT_ATTENTION) + kinds.count(GPT_MLP))
+    text = f"{layers:g} layers"
+    if EMBEDDING in kinds:
+        text = "embedding + " + text
+    return text + (" + head" if HEAD in kinds else "")
+
+
 def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayout,
                  start: int) -> None:
     cut = data.truncation_report()
@@ -537,6 +548,10 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
           f"{layout.device.type}; micro-batching {cfg.micro_batching}, schedule "
           f"{cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
           f"to the sequence length; iterations {start}..{cfg.train_iters}", flush=True)
+    if spec.pipeline_cut:
+        stages = spec.stage_layers(len(spec.pipeline_cut))
+        print(f"[train] --pipeline-split {cfg.pipeline_split}: stages of "
+              f"{' | '.join(describe_stage(kinds) for kinds in stages)}", flush=True)
     times = "" if cfg.cost_model == "analytic" else "; times from the cost profile"
     print(f"[train] planning for {device_costs.device_figures(cfg).describe()}{times}",
           flush=True)
