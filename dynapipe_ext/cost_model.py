@@ -247,10 +247,12 @@ class AnalyticCostModel(CostModel):
 
     def _layer_terms(self, kind: str, b, s, d) -> "LayerTerms":
         """LayerTerms of a transformer layer kind: a GPT / T5 encoder layer is its attention
-        half plus its MLP half (one checkpoint unit, one input); GPT_ATTENTION / GPT_MLP are
-        those halves alone (each its own checkpoint unit with its own input)."""
+        half plus its MLP half (one checkpoint unit, one input), a T5 decoder layer its
+        self-attention, cross-attention and MLP parts; GPT_ATTENTION / GPT_MLP are the halves
+        alone (each its own checkpoint unit with its own input)."""
         if kind == DEC_LAYER:
-            return self._decoder_terms(b, s, d)
+            return self._attention_terms(b, d).plus(self._cross_attention_terms(b, s, d)).plus(
+                self._mlp_terms(b, d))
         attention, mlp = self._attention_terms(b, s), self._mlp_terms(b, s)
         if kind == GPT_ATTENTION:
             return attention
@@ -299,28 +301,22 @@ class AnalyticCostModel(CostModel):
                           transient=dt * b * s * f * (m - 1) / tp + gelu_temps * b * s,
                           layer_in=dt * b * s * h)
 
-    def _decoder_terms(self, b, s, d) -> "LayerTerms":
-        """A T5 decoder layer (self-attention over d, cross-attention over the encoder's s,
-        MLP), as one unit."""
-        h, f, a, tp, dt = (self.spec.hidden_size, self.spec.ffn_size,
-                           self.spec.num_attention_heads, self.tp, self.dtype_bytes)
+    def _cross_attention_terms(self, b, s, d) -> "LayerTerms":
+        """A T5 decoder layer's norm, cross-attention (queries of length d, keys and values
+        of the encoder's s) and residual add. Kept: norm and query inputs (+ mask) per rank;
+        Q and the projection input over d, K and V over s, split by TP; the core's tensors."""
+        h, a, tp, dt = (self.spec.hidden_size, self.spec.num_attention_heads, self.tp,
+                        self.dtype_bytes)
         half, masks, att_copies = self._kept_units()
-        m = self.mlp_matrices
-        kept_f = 2 * m - 2
-        biased = 1.0 if self.spec.position_embedding_type == "relative" else 0.0
-        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0
-        kept_att = (4.0 * a * b * 2 * d / tp if self.fused_attention
-                    else half * att_copies * a * b * (d * d + s * d) / tp) \
-            + biased * dt * a * b * d * d / tp
-        score = 0.0 if self.fused_attention else dt * a * b * (d * d + s * d) / tp
-        return LayerTerms(
-            lin=2 * b * d * (6 * h * h + m * h * f) / tp + 2 * b * s * 2 * h * h / tp,
-            att=4 * b * d * d * h / tp + 4 * b * s * d * h / tp,
-            kept_lin=half * ((12 + 3 * masks) * b * d * h
-                             + (12 * b * d * h + 2 * kept_f * b * d * f + 4 * b * s * h) / tp),
-            kept_att=kept_att,
-            transient=2 * score + dt * b * d * f * (m - 1) / tp + gelu_temps * b * d,
-            layer_in=dt * b * d * h)
+        kept_att = (4.0 * a * b * d / tp if self.fused_attention
+                    else half * att_copies * a * b * s * d / tp)
+        score = 0.0 if self.fused_attention else dt * a * b * s * d / tp
+        return LayerTerms(lin=2 * b * d * 2 * h * h / tp + 2 * b * s * 2 * h * h / tp,
+                          att=4 * b * s * d * h / tp,
+                          kept_lin=half * ((4 + masks) * b * d * h
+                                           + (4 * b * d * h + 4 * b * s * h) / tp),
+                          kept_att=kept_att + np.zeros_like(b),
+                          transient=2 * score + np.zeros_like(b), layer_in=dt * b * d * h)
 
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:

@@ -420,7 +420,9 @@ class ProfiledCostModel(CostModel):
     layers (ModelSpec.stage_layers), shared tensors (masks, encoder output) counted once per
     stage, its transient peak the largest of its layers'. The memory left for activations is
     `device_memory_bytes` minus the model states (parameters x `bytes_per_param_state`, see
-    STATE_BYTES_PER_PARAM) of the heaviest rank.
+    STATE_BYTES_PER_PARAM) of the heaviest rank. `spec` is the run's model (default the
+    profile's): it may differ from the profile's only in what the key ignores (tied
+    embeddings, the pipeline cut).
 
     GPT half layers (ModelSpec.pipeline_cut) are not profiled: the profiler runs whole
     megatron-core TransformerLayers, and the profile's key ignores the cut. A half is its
@@ -434,7 +436,8 @@ class ProfiledCostModel(CostModel):
 
     def __init__(self, profile: CostProfile, device_memory_bytes: float | None = None,
                  bytes_per_param_state: float | None = None, num_stages: int = 1,
-                 below_grid: str = "infeasible", rows_above_grid: str = "infeasible"):
+                 below_grid: str = "infeasible", rows_above_grid: str = "infeasible",
+                 spec: ModelSpec | None = None):
         if below_grid not in ("infeasible", "bound"):
             raise ValueError(f"below_grid must be 'infeasible' or 'bound', got {below_grid!r}")
         if rows_above_grid not in ("infeasible", "scale"):
@@ -442,7 +445,11 @@ class ProfiledCostModel(CostModel):
                              f"{rows_above_grid!r}")
         self.rows_above_grid = rows_above_grid
         self.profile = profile
-        self.spec = profile.spec
+        self.spec = spec or profile.spec
+        unkeyed = {"tied_embeddings": False, "pipeline_cut": ()}
+        if dataclasses.replace(self.spec, **unkeyed) != dataclasses.replace(profile.spec,
+                                                                            **unkeyed):
+            raise ValueError(f"cost profile is for {profile.spec}, this run trains {self.spec}")
         memory = device_memory_bytes or profile.meta.get("device_memory_bytes")
         if not memory or memory <= 0:
             raise ValueError("device_memory_bytes is needed: the profile does not record the "

@@ -30,7 +30,6 @@ transfer. The split itself still fits the training memory rule, which is stricte
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import time
@@ -97,14 +96,13 @@ def build_cost_model(source: CostModelSource, spec: ModelSpec, tp: int,
         return AnalyticCostModel(spec, tp=tp, num_stages=num_stages, **options)
     from .cost_profile import ProfiledCostModel, load_profile
     profile = load_profile(source.path)
-    # tied embeddings are not part of a profile's key (its per-kind tables do not depend on it)
-    if dataclasses.replace(spec, tied_embeddings=profile.spec.tied_embeddings) != profile.spec:
-        raise ValueError(f"{source.path}: cost profile is for {profile.spec}, this run trains "
-                         f"{spec}")
     if profile.key.get("tensor_model_parallel_size", tp) != tp:
         raise ValueError(f"{source.path}: cost profile was measured at tensor-parallel size "
                          f"{profile.key['tensor_model_parallel_size']}, this run uses {tp}")
-    return ProfiledCostModel(profile, num_stages=num_stages, **options)
+    try:   # the run's spec: tied embeddings and the pipeline cut are not in a profile's key
+        return ProfiledCostModel(profile, num_stages=num_stages, spec=spec, **options)
+    except ValueError as err:
+        raise ValueError(f"{source.path}: {err}") from None
 
 
 @dataclass(frozen=True)

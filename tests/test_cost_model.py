@@ -213,3 +213,184 @@ def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
     layer = stage.encoder.layers[0]
     counted = sum(p.numel() for n, p in layer.named_parameters() if "layernorm" not in n)
     assert counted == AnalyticCostModel(small).layer_params(ENC_LAYER)
+
+
+# ------------------------------------------------------------------ GPT half layers (pipeline_cut)
+
+from dynapipe_ext.cost_model import half_layer_shares                          # noqa: E402
+from dynapipe_ext.model_spec import (EMBEDDING, GPT_ATTENTION, GPT_LAYER,      # noqa: E402
+                                     GPT_MLP, HEAD, balanced_cut)
+
+HALF_OPTIONS = [dict(), dict(tp=2), dict(dropout=True, fused_attention=False),
+                dict(sigmoid_gelu=True, dtype_bytes=2)]
+
+
+@pytest.mark.parametrize("options", HALF_OPTIONS)
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_attention_and_mlp_halves_add_up_to_the_gpt_layer(options, recompute):
+    model = AnalyticCostModel(GPT, **options)
+    b, s = np.array([1.0, 3.0, 8.0, 2.0]), np.array([64.0, 512.0, 128.0, 4096.0])
+    d = np.zeros_like(b)
+    whole = model._layer_cost(GPT_LAYER, b, s, d, recompute)
+    attention = model._layer_cost(GPT_ATTENTION, b, s, d, recompute)
+    mlp = model._layer_cost(GPT_MLP, b, s, d, recompute)
+    names = ("fwd flops", "recompute flops", "kept bytes", "transient bytes")
+    assert np.all(attention[0] > 0) and np.all(mlp[0] > 0)
+    for name, w, a, m in zip(names, whole, attention, mlp):
+        if name == "kept bytes" and recompute == "full":
+            # each half is its own checkpoint unit and keeps its own input: the layer input
+            np.testing.assert_allclose(a, w, rtol=1e-12)
+            np.testing.assert_allclose(m, w, rtol=1e-12)
+        else:
+            np.testing.assert_allclose(a + m, w, rtol=1e-12, err_msg=name)
+    assert model.layer_params(GPT_ATTENTION) + model.layer_params(GPT_MLP) == \
+        model.layer_params(GPT_LAYER)
+
+
+def test_half_layers_split_as_the_attention_and_mlp_blocks():
+    """The attention half holds the s^2 work and the QKV / projection weights, the MLP half
+    work linear in s and the h x ffn weights; with dropout and an unfused attention at 2-byte
+    precision, the halves keep Korthikanti et al.'s attention block + its norm
+    (s b h (13 + 5 a s / h)) and MLP block + its norm (21 s b h), 34 + 5 a s / h in all."""
+    model = AnalyticCostModel(GPT, dropout=True, fused_attention=False, dtype_bytes=2)
+    h, f, a = GPT.hidden_size, GPT.ffn_size, GPT.num_attention_heads
+    b, s = np.array([2.0, 2.0]), np.array([256.0, 512.0])
+
+    def cost(kind, recompute="none"):
+        return model._layer_cost(kind, b, s, np.zeros_like(b), recompute)
+    mlp_fwd, att_fwd = cost(GPT_MLP)[0], cost(GPT_ATTENTION)[0]
+    assert mlp_fwd[1] == pytest.approx(2 * mlp_fwd[0]) and att_fwd[1] > 2.1 * att_fwd[0]
+    assert model.layer_params(GPT_ATTENTION) == 4 * h * h
+    assert model.layer_params(GPT_MLP) == 2 * h * f
+    sbh = s * b * h
+    np.testing.assert_allclose(cost(GPT_ATTENTION)[2], sbh * (13 + 5 * a * s / h))
+    np.testing.assert_allclose(cost(GPT_MLP)[2], sbh * 21)
+    np.testing.assert_allclose(cost(GPT_LAYER)[2], sbh * (34 + 5 * a * s / h))
+    # selective recompute redoes only attention-core work
+    assert np.all(cost(GPT_MLP, "selective")[1] == 0) and np.all(cost(GPT_ATTENTION,
+                                                                      "selective")[1] > 0)
+
+
+CUT_GPT = ModelSpec("gpt", num_layers=4, hidden_size=512, num_attention_heads=8,
+                    vocab_size=5000)
+
+
+def cut(spec, units):
+    import dataclasses
+    return dataclasses.replace(spec, pipeline_cut=units)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_cut_inside_a_layer_moves_work_between_stages_and_keeps_the_total(recompute):
+    even, uneven = AnalyticCostModel(CUT_GPT), AnalyticCostModel(cut(CUT_GPT, (5, 3)))
+    assert uneven.spec.stage_layers(2) == [(EMBEDDING, GPT_LAYER, GPT_LAYER, GPT_ATTENTION),
+                                           (GPT_MLP, GPT_LAYER, HEAD)]
+    b, s = np.array([1.0, 4.0, 2.0]), np.array([128.0, 512.0, 2048.0])
+    a, c = (m.stage_cost_arrays(b, s, np.zeros_like(b), 2, recompute) for m in (even, uneven))
+    np.testing.assert_allclose(c.fwd_ms.sum(axis=0), a.fwd_ms.sum(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(c.bwd_ms.sum(axis=0), a.bwd_ms.sum(axis=0), rtol=1e-12)
+    # the cut layer's halves keep its input twice under full recompute (one per half)
+    extra = 4 * b * s * CUT_GPT.hidden_size if recompute == "full" else 0.0
+    np.testing.assert_allclose(c.activation_bytes.sum(axis=0),
+                               a.activation_bytes.sum(axis=0) + extra, rtol=1e-12)
+    # the head makes the last stage heavier; moving an MLP half off it evens it out (at
+    # lengths where the head's share is that large: at 2048, attention dominates)
+    def imbalance(arrays):
+        time = (arrays.fwd_ms + arrays.bwd_ms)[:, :2]
+        return time.max(axis=0) / time.min(axis=0)
+    assert np.all(imbalance(a) > 1.2)
+    assert np.all(imbalance(c) < imbalance(a))
+    # the attention half of layer 2 moved to stage 0: its parameters' states with it
+    moved = uneven.layer_params(GPT_ATTENTION) * uneven.bytes_per_param_state
+    assert moved > 0
+    np.testing.assert_allclose(np.subtract(uneven.model_state_bytes(2), even.model_state_bytes(2)),
+                               [moved, -moved])
+
+
+def test_a_half_layer_counts_half_a_layer_of_overhead():
+    def fwd(spec, overhead):
+        model = AnalyticCostModel(spec, layer_overhead_ms=overhead)
+        return model.stage_cost_arrays(np.array([2]), np.array([128]), np.array([0]), 2).fwd_ms
+    for units in [(5, 3), (1, 7), (4, 4)]:
+        spec = cut(CUT_GPT, units)
+        added = fwd(spec, 1.0) - fwd(spec, 0.0)
+        np.testing.assert_allclose(added[:, 0], np.array(units) / 2)
+
+
+def test_whole_stage_recompute_of_half_layer_stages():
+    model = AnalyticCostModel(cut(CUT_GPT, (5, 3)), full_recompute="stage")
+    args = (np.array([4.0]), np.array([256.0]), np.array([0.0]), 2)
+    full, none = model.stage_cost_arrays(*args, "full"), model.stage_cost_arrays(*args, "none")
+    hidden = 4 * 4 * 256 * CUT_GPT.hidden_size
+    assert full.activation_bytes[:, 0].tolist() == [hidden, hidden]
+    assert np.all(full.peak_bytes[:, 0] >= none.activation_bytes[:, 0] - hidden)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_half_layer_shares_are_the_analytic_halves_over_the_whole(recompute):
+    model = AnalyticCostModel(GPT, tp=2)
+    b, s = np.array([1.0, 4.0]), np.array([64.0, 2048.0])
+    shares = half_layer_shares(GPT, 2, b, s, recompute)
+    att, mlp = shares[GPT_ATTENTION], shares[GPT_MLP]
+    for name in ("fwd_ms", "bwd_ms", "param_count"):
+        np.testing.assert_allclose(att[name] + mlp[name], 1.0, rtol=1e-12)
+    kept_sum = 2.0 if recompute == "full" else 1.0
+    np.testing.assert_allclose(att["activation_bytes"] + mlp["activation_bytes"], kept_sum)
+    fwd = model._layer_cost(GPT_ATTENTION, b, s, 0 * b, recompute)[0]
+    np.testing.assert_allclose(att["fwd_ms"],
+                               fwd / model._layer_cost(GPT_LAYER, b, s, 0 * b, recompute)[0])
+    # attention's share grows with the length (s^2 work)
+    assert att["fwd_ms"][1] > att["fwd_ms"][0]
+
+
+# ------------------------------------------------------------------ model_spec: the cut itself
+
+def test_stage_layers_under_a_cut():
+    spec = cut(CUT_GPT, (1, 2, 2, 3))
+    assert spec.stage_layers(4) == [(EMBEDDING, GPT_ATTENTION), (GPT_MLP, GPT_ATTENTION),
+                                    (GPT_MLP, GPT_ATTENTION), (GPT_MLP, GPT_LAYER, HEAD)]
+    assert [spec.stage_first_layer(4, k) for k in range(4)] == [0, 0, 1, 2]
+    whole = cut(CUT_GPT, (4, 4))
+    assert whole.stage_layers(2) == CUT_GPT.stage_layers(2)
+    # every half-layer unit is in exactly one stage, in order
+    for units in [(5, 3), (3, 5), (1, 7), (2, 1, 5), (8,)]:
+        stages = cut(CUT_GPT, units).stage_layers(len(units))
+        flat = [k for kinds in stages for k in kinds if k not in (EMBEDDING, HEAD)]
+        halves = [h for k in flat for h in ((GPT_ATTENTION, GPT_MLP) if k == GPT_LAYER
+                                            else (k,))]
+        assert halves == [GPT_ATTENTION, GPT_MLP] * CUT_GPT.num_layers, units
+        assert [sum(2 if k == GPT_LAYER else 1 for k in kinds if k not in (EMBEDDING, HEAD))
+                for kinds in stages] == list(units)
+
+
+@pytest.mark.parametrize("units, message", [
+    ((5, 4), "sum to that"), ((0, 8), "at least one"), ((9, -1), "at least one")])
+def test_invalid_cuts_are_rejected(units, message):
+    with pytest.raises(ValueError, match=message):
+        cut(CUT_GPT, units)
+
+
+def test_cut_needs_gpt_and_the_right_stage_count():
+    with pytest.raises(ValueError, match="GPT only"):
+        cut(T5, (8, 8))
+    with pytest.raises(ValueError, match="is for 2 stages, not 4"):
+        cut(CUT_GPT, (5, 3)).stage_layers(4)
+
+
+def test_balanced_cut_is_the_best_of_all_cuts():
+    import itertools
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        n = int(rng.integers(1, 9))
+        stages = int(rng.integers(1, n + 1))
+        costs = rng.integers(1, 20, n).astype(float) if rng.random() < 0.5 else rng.random(n)
+        best = min(max(sum(costs[i:j]) for i, j in zip((0,) + c, c + (n,)))
+                   for c in itertools.combinations(range(1, n), stages - 1))
+        runs = balanced_cut(costs, stages)
+        assert len(runs) == stages and sum(runs) == n and min(runs) >= 1
+        ends = np.cumsum(runs)
+        assert max(costs[e - r:e].sum() for e, r in zip(ends, runs)) == pytest.approx(best)
+    with pytest.raises(ValueError, match="cannot cut 3 units into 4"):
+        balanced_cut([1, 2, 3], 4)
+    with pytest.raises(ValueError, match="cannot cut 3 units into 0"):
+        balanced_cut([1, 2, 3], 0)

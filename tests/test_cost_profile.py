@@ -1,5 +1,6 @@
 """Profiled cost model: interpolation, infeasibility outside the grid, profile files, stage
 composition and memory limit, and a tiny real profiling run of megatron-core layers."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from dynapipe_ext.cost_profile import (FIELDS, PROFILE_VERSION, CostProfile, Lay
                                        ProfiledCostModel, ProfileError, find_profile,
                                        layer_axes, load_profile, profile_file_name,
                                        profile_key, profile_kinds, save_profile)
-from dynapipe_ext.model_spec import DEC_LAYER, GPT_LAYER, HEAD, ModelSpec
+from dynapipe_ext.cost_model import half_layer_shares
+from dynapipe_ext.model_spec import (DEC_LAYER, EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP,
+                                     HEAD, ModelSpec)
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = np.array([1.0, 2.0, 4.0])
@@ -206,6 +209,13 @@ def test_real_gpt_profile_measures_megatron_layers(tmp_path):
     model = ProfiledCostModel(profile, num_stages=2)
     assert model.stage_costs(2, 40, 0, 2, "none") is not None
     assert model.stage_costs(2, 65, 0, 2, "none") is None
+    # a stage cut inside layer 0 costs the same work in all, from the same measurements
+    halves = ProfiledCostModel(profile, num_stages=2,
+                               spec=dataclasses.replace(profile.spec, pipeline_cut=(1, 3)))
+    for mode in profile.modes():
+        whole, cut = (m.stage_costs(2, 40, 0, 2, mode) for m in (model, halves))
+        assert sum(c.fwd_ms for c in cut) == pytest.approx(sum(c.fwd_ms for c in whole))
+        assert cut[0].fwd_ms < whole[0].fwd_ms
 
 
 def test_real_t5_profile_has_decoder_grid(tmp_path):
@@ -242,3 +252,82 @@ def test_times_interpolate_as_power_laws_and_bytes_linearly():
     zero = LayerTable(("rows", "seq_len"), (np.array([1.0]), seqs), values)
     vals, ok = zero.interpolate({"rows": np.array([1.0]), "seq_len": np.array([40.0])})
     assert ok[0] and vals["fwd_ms"][0] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_half_layers_are_shares_of_the_measured_gpt_layer(recompute):
+    """Half layers are not profiled: a stage cut inside a layer costs its halves as the
+    measured whole layer x their analytic shares, so the stages' total work is unchanged."""
+    spec = ModelSpec("gpt", 4, 64, 4, 100)
+    profile = synthetic_profile(spec)
+    even = ProfiledCostModel(profile, num_stages=2)
+    uneven = ProfiledCostModel(profile, num_stages=2,
+                               spec=dataclasses.replace(spec, pipeline_cut=(3, 5)))
+    assert uneven.spec.stage_layers(2)[0] == (EMBEDDING, GPT_LAYER, GPT_ATTENTION)
+    rows, seqs = np.array([1.0, 2.0, 4.0, 3.0, 8.0]), np.array([16.0, 64.0, 256.0, 100.0, 64.0])
+    a, c = (m.stage_cost_arrays(rows, seqs, 0 * rows, 2, recompute) for m in (even, uneven))
+    assert c.feasible.tolist() == a.feasible.tolist() == [True] * 4 + [False]
+    ok = a.feasible
+    for name in ("fwd_ms", "bwd_ms"):
+        np.testing.assert_allclose(getattr(c, name)[:, ok].sum(axis=0),
+                                   getattr(a, name)[:, ok].sum(axis=0), rtol=1e-12)
+    query = {"rows": rows[ok], "seq_len": seqs[ok]}
+    layer, _ = profile.table(GPT_LAYER, recompute).interpolate(query)
+    emb, _ = profile.table(EMBEDDING, recompute).interpolate(query)
+    share = half_layer_shares(spec, 1, rows[ok], seqs[ok], recompute)[GPT_ATTENTION]
+    # under 'full' each half keeps its own input: the cut layer keeps one more layer input
+    extra = layer["activation_bytes"] if recompute == "full" else 0.0
+    np.testing.assert_allclose(c.activation_bytes[:, ok].sum(axis=0),
+                               a.activation_bytes[:, ok].sum(axis=0) + extra, rtol=1e-12)
+    # stage 0: embedding + a layer + the attention half; shared tensors once per stage
+    np.testing.assert_allclose(c.fwd_ms[0, ok],
+                               emb["fwd_ms"] + layer["fwd_ms"] * (1 + share["fwd_ms"]))
+    np.testing.assert_allclose(c.bwd_ms[0, ok],
+                               emb["bwd_ms"] + layer["bwd_ms"] * (1 + share["bwd_ms"]))
+    np.testing.assert_allclose(
+        c.activation_bytes[0, ok],
+        emb["activation_bytes"] + emb["shared_bytes"] + layer["shared_bytes"]
+        + layer["activation_bytes"] * (1 + share["activation_bytes"]))
+    np.testing.assert_allclose(c.peak_bytes[0, ok], np.maximum(emb["peak_bytes"],
+                                                               layer["peak_bytes"]))
+    assert 0 < share["fwd_ms"].min() and share["fwd_ms"].max() < 1
+    assert sum(uneven.model_state_bytes(2)) == pytest.approx(sum(even.model_state_bytes(2)))
+    # stage 0 holds layer 1's attention half only: its MLP half's states moved to stage 1
+    moved = even.model_state_bytes(2)[0] - uneven.model_state_bytes(2)[0]
+    param_share = half_layer_shares(spec)[GPT_MLP]["param_count"]
+    assert 0 < param_share < 1
+    assert moved == pytest.approx(profile.param_count[GPT_LAYER] * param_share * 16)
+
+
+def test_a_stage_of_half_layers_alone():
+    """A stage of an MLP half and the next attention half: the MLP half shares no tensors,
+    its peak is bounded by the whole layer's."""
+    spec = ModelSpec("gpt", 4, 64, 4, 100, pipeline_cut=(3, 2, 3))
+    profile = synthetic_profile(ModelSpec("gpt", 4, 64, 4, 100))
+    model = ProfiledCostModel(profile, spec=spec)
+    assert spec.stage_layers(3)[1] == (GPT_MLP, GPT_ATTENTION)
+    middle = model.stage_costs(2, 64, 0, 3, "none")[1]
+    layer, _ = profile.table(GPT_LAYER, "none").interpolate(
+        {"rows": np.array([2.0]), "seq_len": np.array([64.0])})
+    shares = half_layer_shares(spec, 1, 2.0, 64.0, "none")
+    kept = sum(shares[k]["activation_bytes"] for k in (GPT_MLP, GPT_ATTENTION))
+    assert middle.fwd_ms == pytest.approx(layer["fwd_ms"][0])
+    assert middle.activation_bytes == pytest.approx(
+        layer["activation_bytes"][0] * kept + layer["shared_bytes"][0], abs=1)
+    assert middle.peak_bytes == pytest.approx(layer["peak_bytes"][0], abs=1)
+
+
+def test_the_runs_spec_must_match_the_profile_but_for_tying_and_the_cut(tmp_path):
+    from dynapipe_ext.iteration_planner import CostModelSource, build_cost_model
+    spec = ModelSpec("gpt", 4, 64, 4, 100)
+    profile = synthetic_profile(spec)
+    run = dataclasses.replace(spec, pipeline_cut=(5, 3), tied_embeddings=True)
+    assert ProfiledCostModel(profile, spec=run).spec == run
+    with pytest.raises(ValueError, match="cost profile is for .* this run trains"):
+        ProfiledCostModel(profile, spec=dataclasses.replace(spec, hidden_size=128))
+    path = save_profile(tmp_path / profile_file_name(profile.key), profile)
+    model = build_cost_model(CostModelSource.profile(str(path)), run, 1, 2)
+    assert model.spec.stage_layers(2)[1][0] == GPT_MLP
+    with pytest.raises(ValueError, match=f"{path.name}: cost profile is for"):
+        build_cost_model(CostModelSource.profile(str(path)),
+                         dataclasses.replace(run, num_layers=8, pipeline_cut=()), 1, 2)
