@@ -16,6 +16,7 @@ bytes in use before is the peak (allocations inside a single op's workspace are 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -474,3 +475,46 @@ def time_stage(stage: torch.nn.Module, batch: dict, repeats: int, device: torch.
             cpus.append((time.process_time() - cpu) * 1e3)
         stage.zero_grad(set_to_none=True)
     return min(walls), min(cpus)
+
+
+# ------------------------------------------------------------------ half-layer pipeline units
+
+def half_layer_unit_times(spec: ModelSpec, config: TransformerConfig, rows: int, seq_len: int,
+                          device: torch.device, repeats: int = 3,
+                          tie_embeddings: bool = True) -> list[float]:
+    """Forward + backward ms (least of `repeats` after a warm-up, on `timer(device)`'s clock)
+    of the four kinds of pipeline unit of a GPT model cut in half layers
+    (ModelSpec.pipeline_cut): embedding + attention half, MLP half, attention half, MLP half
+    + output layer and loss. Measured on a two-layer copy of `spec` cut into exactly these
+    four stages, run as training runs them (run_stage_forward), on full rows of `seq_len`."""
+    from megatron.model.init_weights import initialize_stage_weights
+    from megatron.model.stages import build_rank_stages
+    two = dataclasses.replace(spec, num_layers=2, pipeline_cut=(1, 1, 1, 1))
+    stages = build_rank_stages(two, (0, 0, 0, 0), 0, config, device=device,
+                               tie_embeddings=tie_embeddings)
+    initialize_stage_weights(stages, seed=0)
+    batch = dict(make_inputs(EMBEDDING, two, rows, seq_len, 0, config.params_dtype,
+                             device).batch, segments=Segments.full(rows, seq_len, device))
+    gen = torch.Generator().manual_seed(0)
+    clock = timer(device)
+    times = []
+    for s in sorted(stages):
+        best = float("inf")
+        for i in range(repeats + 1):
+            inputs = () if s == 0 else (
+                (torch.randn(seq_len, rows, spec.hidden_size, generator=gen) * 0.5)
+                .to(device, config.params_dtype).requires_grad_(True),)
+            _sync(device)
+            start = clock()
+            out = run_stage_forward(stages[s], inputs, batch)
+            _sync(device)
+            elapsed = clock() - start
+            outs, grads = _outputs_and_grads(out, gen)      # drawn outside the timing
+            start = clock()
+            torch.autograd.backward(outs, grads)
+            _sync(device)
+            if i:                          # the first run warms up
+                best = min(best, (elapsed + clock() - start) * 1e3)
+            stages[s].zero_grad(set_to_none=True)
+        times.append(best)
+    return times

@@ -229,14 +229,16 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
 
 
 def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int, lengths: np.ndarray,
-                 cost_source) -> tuple[int, ...]:
+                 layout: ParallelLayout) -> tuple[int, ...]:
     """ModelSpec.pipeline_cut of --pipeline-split for `num_stages` (virtual) stages: () for
     'even', the given half-layer units, or 'balanced': the cut (balanced_cut) that evens the
-    stages' forward + backward time as the run's cost model (`cost_source`: analytic, or the
-    run's profile) predicts it per half layer, the embedding counted with the first and the
-    output layer and loss with the last, at the token-weighted mean length of `lengths` (a
-    global batch's samples): a token of the data sits in a sample that long on average, and
-    attention grows with it."""
+    stages' forward + backward time, as measured here on a two-layer copy of the model
+    (profile_layers.half_layer_unit_times; averaged over all ranks, so that every rank cuts
+    alike) at the token-weighted mean length of `lengths` (a global batch's samples: a token
+    of the data sits in a sample that long on average, and attention grows with it), with
+    rows for about an eighth of a pipeline's tokens. Measured rather than predicted: on a
+    CPU the analytic model's FLOPs put too little time in attention and too much in the
+    output layer, and the cut then overshoots."""
     units = split_units(cfg.pipeline_split)
     if cfg.pipeline_split == "even":
         return ()
@@ -245,33 +247,41 @@ def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int, lengths: np
             raise ValueError(f"--pipeline-split {cfg.pipeline_split} gives {len(units)} stages; "
                              f"this run has {num_stages}")
         return units
-    from dynapipe_ext.iteration_planner import build_cost_model
     from dynapipe_ext.model_spec import balanced_cut
-    per_unit = dataclasses.replace(spec, pipeline_cut=(1,) * (2 * spec.num_layers))
-    model = build_cost_model(cost_source, per_unit, cfg.tensor_model_parallel_size,
-                             len(per_unit.pipeline_cut))
+    from megatron.model.profile_layers import half_layer_unit_times
     lengths = np.asarray(lengths, dtype=np.float64).reshape(len(lengths), -1).sum(axis=1)
-    seq = round(min(cfg.seq_length, max(1.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
-    costs = model.stage_cost_arrays(np.array([1.0]), np.array([float(seq)]), np.array([0.0]),
-                                    len(per_unit.pipeline_cut))
-    return balanced_cut((costs.fwd_ms + costs.bwd_ms)[:, 0], num_stages)
+    seq = int(min(cfg.seq_length, max(8.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
+    rows = max(1, round(lengths.sum() / layout.dp / (8 * layout.pp) / seq))
+    times = half_layer_unit_times(spec, stage_config(cfg, spec, layout), rows, seq,
+                                  layout.device,
+                                  tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+    mean = torch.tensor(times, dtype=torch.float64, device=layout.device)
+    dist.all_reduce(mean)
+    first, mlp, attention, last = (mean / dist.get_world_size()).tolist()
+    per_unit = [first] + [mlp, attention] * (spec.num_layers - 1) + [last]
+    return balanced_cut(per_unit, num_stages)
 
 
 def model_dtype(cfg: TrainConfig) -> str:
     return "bfloat16" if cfg.bf16 else "float32"
 
 
+def stage_config(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout):
+    """megatron-core's TransformerConfig of this run's stage modules."""
+    return build_transformer_config(spec, cfg.tensor_model_parallel_size,
+                                    cfg.pipeline_model_parallel_size, model_dtype(cfg),
+                                    hidden_dropout=cfg.hidden_dropout,
+                                    attention_dropout=cfg.attention_dropout,
+                                    fused=layout.device.type == "cuda",
+                                    fuse_bias_gelu=cfg.bias_gelu_fusion,
+                                    fuse_bias_dropout=cfg.bias_dropout_fusion)
+
+
 def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
                  stage_to_rank: tuple[int, ...]):
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
-    config = build_transformer_config(spec, cfg.tensor_model_parallel_size,
-                                      cfg.pipeline_model_parallel_size, model_dtype(cfg),
-                                      hidden_dropout=cfg.hidden_dropout,
-                                      attention_dropout=cfg.attention_dropout,
-                                      fused=layout.device.type == "cuda",
-                                      fuse_bias_gelu=cfg.bias_gelu_fusion,
-                                      fuse_bias_dropout=cfg.bias_dropout_fusion)
-    stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank, config,
+    stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank,
+                               stage_config(cfg, spec, layout),
                                tie_embeddings=not cfg.untie_embeddings_and_output_weights)
     initialize_stage_weights(stages, cfg.seed)
     return {s: m.to(layout.device) for s, m in stages.items()}
@@ -408,8 +418,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
     if cfg.pipeline_split != "even":     # the same cut on every rank: same flags, same data
         try:
-            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0),
-                               plan_cfg.cost_model)
+            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0), layout)
         except ValueError as err:
             raise RunSetupError(str(err)) from err
         spec = dataclasses.replace(spec, pipeline_cut=cut)
