@@ -164,9 +164,14 @@ class IterationPlannerConfig:
 
 def pipeline_layout(config: IterationPlannerConfig) -> tuple[int, ...]:
     """Stage -> pipeline rank for the whole run (the trainer builds its stages from this)."""
-    if config.pipeline_schedule == "wave":
-        return wave_layout(config.pp, config.waves)
-    return linear_layout(config.pp)
+    return stage_layout(config.pipeline_schedule, config.pp, config.waves)
+
+
+def stage_layout(pipeline_schedule: str, pp: int, waves: int = 1) -> tuple[int, ...]:
+    """Stage -> pipeline rank of a schedule family: a wave layout for 'wave', else linear."""
+    if pipeline_schedule == "wave":
+        return wave_layout(pp, waves)
+    return linear_layout(pp)
 
 
 def schedule_candidates(config: IterationPlannerConfig) -> tuple[str, ...]:

@@ -279,6 +279,31 @@ def test_resuming_a_finished_run_exits_at_once_on_every_rank(sp_dataset, tmp_pat
 
 
 @pytest.mark.slow
+def test_gpt_cut_in_half_layers_trains_as_the_uncut_model(sp_dataset, tmp_path):
+    """3 layers over 2 stages (--pipeline-split balanced cuts inside a layer): the same losses
+    as one process running the whole model, and its checkpoint loads into the uncut model."""
+    args = sp_dataset + TINY_MODEL + ["--num-layers", "3", "--micro-batching", "dynamic",
+                                      "--seq-length", "128", "--hidden-dropout", "0",
+                                      "--attention-dropout", "0"]   # masks differ by layout
+    whole = torchrun("pretrain_gpt.py", args + ["--train-iters", "3"], tmp_path / "whole.jsonl",
+                     nproc=1)
+    ckpt = tmp_path / "ckpt"
+    cut = torchrun("pretrain_gpt.py", args + ["--train-iters", "3", "--pipeline-split",
+                                              "balanced", "--pipeline-model-parallel-size", "2",
+                                              "--save", str(ckpt), "--save-interval", "2"],
+                   tmp_path / "cut.jsonl")
+    assert len(cut) == len(whole) == 3
+    for a, b in zip(cut, whole):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (cut, whole)
+    # the cut run's iteration-2 checkpoint, resumed by one process running the uncut model
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2\n")
+    resumed = torchrun("pretrain_gpt.py", args + ["--train-iters", "3", "--load", str(ckpt)],
+                       tmp_path / "resumed.jsonl", nproc=1)
+    assert [s["iteration"] for s in resumed] == [3]
+    assert resumed[0]["loss"] == pytest.approx(cut[2]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_t5_pp2_dynamic_trains(sp_dataset, tmp_path):
     args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--num-layers",
                                       "1", "--micro-batching", "dynamic",

@@ -25,7 +25,8 @@ from megatron.core import parallel_state
 from dynapipe_ext.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.iteration_planner import IterationPlannerConfig, pipeline_layout
+from dynapipe_ext.iteration_planner import (IterationPlannerConfig, pipeline_layout,
+                                            stage_layout)
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -228,25 +229,35 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      kv_channels=cfg.kv_channels)
 
 
-def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int, lengths: np.ndarray,
-                 layout: ParallelLayout) -> tuple[int, ...]:
-    """ModelSpec.pipeline_cut of --pipeline-split for `num_stages` (virtual) stages: () for
-    'even', the given half-layer units, or 'balanced': the cut (balanced_cut) that evens the
-    stages' forward + backward time, as measured here on a two-layer copy of the model
+def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
+    """ModelSpec.pipeline_cut as --pipeline-split gives it: () for 'even', the units given,
+    or for 'balanced' the even spread of half layers that stands until balanced_cut_here
+    has measured them."""
+    if cfg.pipeline_split == "even":
+        return ()
+    from dynapipe_ext.model_spec import balanced_cut
+    num_stages = len(stage_layout(cfg.pipeline_schedule, cfg.pipeline_model_parallel_size))
+    units = split_units(cfg.pipeline_split)
+    if units is None:
+        return balanced_cut([1.0] * (2 * spec.num_layers), num_stages)
+    if len(units) != num_stages:
+        raise ValueError(f"--pipeline-split {cfg.pipeline_split} gives {len(units)} stages; "
+                         f"--pipeline-schedule {cfg.pipeline_schedule} at "
+                         f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size} "
+                         f"has {num_stages}")
+    return units
+
+
+def balanced_cut_here(cfg: TrainConfig, spec: ModelSpec, lengths: np.ndarray,
+                      layout: ParallelLayout) -> tuple[int, ...]:
+    """--pipeline-split balanced: the cut (balanced_cut) of `spec`'s stages that evens their
+    forward + backward time, as measured here on a two-layer copy of the model
     (profile_layers.half_layer_unit_times; averaged over all ranks, so that every rank cuts
     alike) at the token-weighted mean length of `lengths` (a global batch's samples: a token
     of the data sits in a sample that long on average, and attention grows with it), with
     rows for about an eighth of a pipeline's tokens. Measured rather than predicted: on a
     CPU the analytic model's FLOPs put too little time in attention and too much in the
     output layer, and the cut then overshoots."""
-    units = split_units(cfg.pipeline_split)
-    if cfg.pipeline_split == "even":
-        return ()
-    if units is not None:
-        if len(units) != num_stages:
-            raise ValueError(f"--pipeline-split {cfg.pipeline_split} gives {len(units)} stages; "
-                             f"this run has {num_stages}")
-        return units
     from dynapipe_ext.model_spec import balanced_cut
     from megatron.model.profile_layers import half_layer_unit_times
     lengths = np.asarray(lengths, dtype=np.float64).reshape(len(lengths), -1).sum(axis=1)
@@ -259,7 +270,7 @@ def pipeline_cut(cfg: TrainConfig, spec: ModelSpec, num_stages: int, lengths: np
     dist.all_reduce(mean)
     first, mlp, attention, last = (mean / dist.get_world_size()).tolist()
     per_unit = [first] + [mlp, attention] * (spec.num_layers - 1) + [last]
-    return balanced_cut(per_unit, num_stages)
+    return balanced_cut(per_unit, len(spec.pipeline_cut))
 
 
 def model_dtype(cfg: TrainConfig) -> str:
@@ -397,6 +408,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     data = open_training_data(cfg, rank)
     valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None
     spec = model_spec(cfg, data.vocab_size)
+    try:
+        spec = dataclasses.replace(spec, pipeline_cut=given_cut(cfg, spec))
+    except ValueError as err:
+        raise RunSetupError(str(err)) from err
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
     stage_to_rank = pipeline_layout(plan_cfg)
@@ -416,11 +431,8 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
-    if cfg.pipeline_split != "even":     # the same cut on every rank: same flags, same data
-        try:
-            cut = pipeline_cut(cfg, spec, len(stage_to_rank), data.batch_lengths(0), layout)
-        except ValueError as err:
-            raise RunSetupError(str(err)) from err
+    if cfg.pipeline_split == "balanced":     # every rank cuts alike (averaged measurement)
+        cut = balanced_cut_here(cfg, spec, data.batch_lengths(0), layout)
         spec = dataclasses.replace(spec, pipeline_cut=cut)
         plan_cfg = dataclasses.replace(plan_cfg, spec=spec)
     stages = build_stages(cfg, spec, layout, stage_to_rank)
