@@ -1,12 +1,14 @@
 """The GPU suite: `pytest -m gpu -s` on a machine with one or more NVIDIA GPUs. Every `gpu` test
-skips cleanly without CUDA; the single-GPU ones except the FlexTP timer test ran once on an H100
+skips cleanly without CUDA; the single-GPU ones except the FlexTP timer and half-layer timing
+tests ran once on an H100
 (README, "GPU"), the multi-GPU ones never. Figures are printed and
 written to runs/gpu_suite/<name>.json for docs/BENCHMARKS.md.
 
 * bf16 training step against the fp32 reference, on one GPU and as a pipeline over 2 (or 4);
 * short GPT and T5 training runs planned with the device cost model: tokens/s, plan wait, and
   rank 0's peak memory predicted by the planner vs torch.cuda.max_memory_allocated;
-* the NCCL pipeline warm-up, the device probe and the matmul calibration.
+* the NCCL pipeline warm-up, the device probe and the matmul calibration;
+* the half-layer unit timing of `--pipeline-split balanced` (never run on a GPU yet).
 
 Also here, run on CPU: the GPU launchers refuse in one line when no CUDA device is visible."""
 import json
@@ -295,3 +297,25 @@ def test_flextp_slot_timer_uses_cuda_events_without_synchronising(monkeypatch):
         seconds = pair.seconds                      # waits for the last span here
         wall = time.perf_counter() - start
         assert 0 < seconds <= wall and pair.tokens == 3 * 64
+
+
+def unit_times_worker(rank, world_size):
+    """--pipeline-split balanced's measurement on this GPU, bf16 with the fusions on."""
+    from dynapipe_ext.model_spec import ModelSpec
+    from megatron.model.profile_layers import half_layer_unit_times
+    from megatron.model.stages import build_transformer_config
+    from megatron.training.distributed_setup import setup_model_parallel
+    layout = setup_model_parallel(1, 1, seed=SEED)
+    spec = ModelSpec("gpt", 2, 512, 8, 32000, max_position_embeddings=1024)
+    config = build_transformer_config(spec, dtype="bfloat16", fused=True)
+    return half_layer_unit_times(spec, config, 4, 512, layout.device)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_half_layer_units_are_timed_on_the_gpu():
+    times = run_in_processes(unit_times_worker, 1, device="cuda", timeout_s=300)[0]
+    print(f"half-layer unit ms (embedding + attention, MLP, attention, MLP + head): {times}")
+    assert len(times) == 4 and all(0 < t < 1e4 for t in times)
+    # the last unit is an MLP half plus a 32,000-word output layer and loss (8x its FLOPs)
+    assert times[3] > times[1]
