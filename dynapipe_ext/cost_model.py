@@ -403,6 +403,24 @@ def half_layer_shares(spec: ModelSpec, tp: int = 1, b=1.0, s=1.0, recompute: str
             for kind in (GPT_ATTENTION, GPT_MLP)}
 
 
+def analytic_balanced_cut(spec: ModelSpec, num_stages: int, seq_len: float,
+                          **options) -> tuple[int, ...]:
+    """model_spec.balanced_cut of a GPT `spec`'s half layers by the AnalyticCostModel's
+    forward + backward time of each unit (embedding counted with the first, output layer
+    and loss with the last) for one row of `seq_len` tokens; `options` go to the model
+    (device figures, tp, ...). The trainer measures its units instead (its CPU is far from
+    the FLOP counts); for projections the analytic model is the device."""
+    from dataclasses import replace
+
+    from .model_spec import balanced_cut
+    units = 2 * spec.num_layers
+    model = AnalyticCostModel(replace(spec, pipeline_cut=(1,) * units), num_stages=units,
+                              **options)
+    costs = model.stage_cost_arrays(np.array([1.0]), np.array([float(seq_len)]),
+                                    np.array([0.0]), units)
+    return balanced_cut((costs.fwd_ms + costs.bwd_ms)[:, 0], num_stages)
+
+
 # ------------------------------------------------------------------ micro-batch costing
 
 @dataclass(frozen=True)

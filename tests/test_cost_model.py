@@ -1,4 +1,6 @@
 """AnalyticCostModel: monotone in shape, recompute trades time for memory, limits respected."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -394,3 +396,19 @@ def test_balanced_cut_is_the_best_of_all_cuts():
         balanced_cut([1, 2, 3], 4)
     with pytest.raises(ValueError, match="cannot cut 3 units into 0"):
         balanced_cut([1, 2, 3], 0)
+
+
+def test_analytic_balanced_cut_gives_a_large_output_layer_fewer_half_layers():
+    from dynapipe_ext.cost_model import analytic_balanced_cut
+    small_vocab = ModelSpec("gpt", 8, 256, 4, 256)
+    large_vocab = ModelSpec("gpt", 8, 256, 4, 65536)
+    assert analytic_balanced_cut(small_vocab, 2, 256) == (8, 8)
+    cut = analytic_balanced_cut(large_vocab, 2, 256)
+    assert sum(cut) == 16 and cut[1] < cut[0]
+    # the cut it picks is the least max-stage time of all cuts, by the model's own stage costs
+    def slowest(units):
+        model = AnalyticCostModel(dataclasses.replace(large_vocab, pipeline_cut=units),
+                                  num_stages=2)
+        arrays = model.stage_cost_arrays(np.array([1.0]), np.array([256.0]), np.array([0.0]), 2)
+        return float((arrays.fwd_ms + arrays.bwd_ms).max())
+    assert slowest(cut) == min(slowest((k, 16 - k)) for k in range(1, 16))

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynapipe_ext.cost_model import (AnalyticCostModel, CostModel, StageCostArrays,  # noqa: E402
-                                     shape_feasible)
+                                     analytic_balanced_cut, shape_feasible)
 from dynapipe_ext.cost_profile import load_profile  # noqa: E402
 from dynapipe_ext.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER,  # noqa: E402
                                      ENC_NORM, GPT_LAYER, HEAD, ModelSpec)
@@ -405,17 +405,34 @@ def project_fitted(profile_paths: dict, max_lengths=MAX_LENGTHS, batches: int = 
             "wall_s": time.perf_counter() - started}
 
 
+def balanced_gpt(max_len: int, seed: int, tokens: int = TOKENS) -> ModelSpec:
+    """PAPER_GPT cut in half layers over STAGES stages as `--pipeline-split balanced` would cut
+    it, with the analytic model (DEVICE's figures, TP) at the token-weighted mean length of
+    the first global batch."""
+    lengths = np.asarray(global_batch("gpt", tokens, max_len, 0, seed), dtype=np.float64)
+    lengths = np.minimum(lengths.reshape(len(lengths), -1).sum(axis=1), max_len)
+    seq = (lengths ** 2).sum() / lengths.sum()
+    cut = analytic_balanced_cut(PAPER_GPT, STAGES, seq, tp=TENSOR_PARALLEL["gpt"], **DEVICE)
+    return replace(PAPER_GPT, pipeline_cut=cut)
+
+
 def project_all(max_lengths=MAX_LENGTHS, batches: int = 3, seed: int = 7,
-                profile_paths: dict | None = None) -> dict:
+                profile_paths: dict | None = None, pipeline_split: str = "even") -> dict:
+    """Every model and max length; `pipeline_split` "balanced" cuts GPT in half layers."""
     started = time.perf_counter()
+    specs = {("gpt", L): balanced_gpt(L, seed) for L in max_lengths} \
+        if pipeline_split == "balanced" else {}
     rows = [r for model in ("gpt", "t5") for L in max_lengths
-            for r in project(model, L, batches, seed)]
+            for r in project(model, L, batches, seed, spec=specs.get((model, L)))]
+    for r in rows:
+        cut = specs.get((r["model"], r["max_len"]))
+        r["pipeline_cut"] = list(cut.pipeline_cut) if cut else None
     result = {"kind": "simulation", "cost_model": "AnalyticCostModel",
               "tensor_parallel": TENSOR_PARALLEL,
               "device": {k: v for k, v in DEVICE.items()}, "stages": STAGES, "tokens": TOKENS,
               "batches": batches, "seed": seed,
               "models": {"gpt": vars(PAPER_GPT), "t5": vars(PAPER_T5)},
-              "targets_8192": TARGETS_8192, "rows": rows,
+              "targets_8192": TARGETS_8192, "rows": rows, "pipeline_split": pipeline_split,
               "wall_s": time.perf_counter() - started}
     if profile_paths:
         result["cpu_fit"] = project_fitted(profile_paths, max_lengths, batches, seed)
@@ -433,14 +450,19 @@ def main(argv=None) -> int:
                    help="tools/profile_cost_model.py GPT profiles (two hidden sizes) to fit")
     p.add_argument("--t5-profiles", nargs="+", default=[],
                    help="tools/profile_cost_model.py T5 profiles (two hidden sizes) to fit")
+    p.add_argument("--pipeline-split", choices=("even", "balanced"), default="even",
+                   help="GPT stages: whole layers, or half layers as the trainer's "
+                        "--pipeline-split balanced cuts them (costed analytically here)")
     args = p.parse_args(argv)
     paths = {m: ps for m, ps in (("gpt", args.gpt_profiles), ("t5", args.t5_profiles)) if ps}
-    result = project_all(tuple(args.max_lengths), args.batches, args.seed, paths or None)
+    result = project_all(tuple(args.max_lengths), args.batches, args.seed, paths or None,
+                         args.pipeline_split)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=1))
     for r in result["rows"]:
+        cut = f"  cut {r['pipeline_cut']}" if r.get("pipeline_cut") else ""
         print(f"{r['model']} {r['max_len']:>5} {r['strategy']:<8} "
-              f"{r['tokens_per_s']:>12,.0f} tokens/s  {r['speedup_vs_packing']:.2f}x")
+              f"{r['tokens_per_s']:>12,.0f} tokens/s  {r['speedup_vs_packing']:.2f}x{cut}")
     for r in result.get("cpu_fit", {}).get("rows", []):
         print(f"cpu-fit {r['model']} {r['max_len']:>5} {r['strategy']:<8} "
               f"{r['tokens_per_s']:>12,.2f} tokens/s  {r['speedup_vs_packing']:.2f}x")
