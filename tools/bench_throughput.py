@@ -93,11 +93,13 @@ def train_flags(job: dict, strategy: str) -> list[str]:
 def cost_model_options(job: dict) -> dict:
     """AnalyticCostModel settings of the run's device: throughput and activation memory per
     rank (the planners' memory limit for every strategy alike)."""
+    from megatron.training.device_costs import analytic_device_options
     return {"device_flops": float(job["device_flops"]),
             "device_mem_bytes": float(job["memory_gib"]) * 2**30,
             "dtype_bytes": 2 if job.get("bf16") else 4,
             # stages.gelu_tanh's CPU fp32 path keeps two more [tokens, ffn] temporaries
-            "sigmoid_gelu": job.get("device") != "cuda" and not job.get("bf16")}
+            "sigmoid_gelu": job.get("device") != "cuda" and not job.get("bf16"),
+            **analytic_device_options("cuda" if job.get("device") == "cuda" else "cpu")}
 
 
 # ============================================================================ planning setup

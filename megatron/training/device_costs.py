@@ -42,6 +42,12 @@ from megatron.training.distributed_setup import use_cuda
 
 GIB = 2**30
 CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
+# AnalyticCostModel's half_rate_tokens (a micro-batch of that many tokens runs at half the
+# peak rate) on CPU: one GPT layer + a 2,048-word head at hidden 256, one thread, costs 286 /
+# 205 / 153 / 137 us per token at 64 / 128 / 256 / 512 tokens (this project's CPU), i.e. half
+# rate near 60 tokens. The model's default (512) is a GPU's, whose kernels need far larger
+# micro-batches; on CPU it made the planner cut too few, too large micro-batches.
+CPU_HALF_RATE_TOKENS = 64.0
 GPU_BASE_HEADROOM = 1 * GIB       # CUDA context, NCCL buffers, cuBLAS workspaces
 HEADROOM_FRACTION = 0.10          # allocator fragmentation and transient spikes
 # first-use profiling: shapes up to this many tokens are measured (more rows are scaled),
@@ -215,6 +221,11 @@ def dropout_options(cfg, kind: str) -> dict:
             "fused_attention": not (attention and kind == "cpu")}
 
 
+def analytic_device_options(kind: str) -> dict:
+    """AnalyticCostModel settings that depend on the device kind alone ('cpu' / 'cuda')."""
+    return {"half_rate_tokens": CPU_HALF_RATE_TOKENS} if kind == "cpu" else {}
+
+
 def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
                       spec=None) -> CostModelSource:
     """The planner's cost model for this run: analytic (FLOPs and activation bytes at the
@@ -232,7 +243,7 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
             max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
             full_recompute="stage",   # run_stage_forward: one checkpoint per stage, any device
             sigmoid_gelu=figures.kind == "cpu" and not cfg.bf16,   # stages.gelu_tanh's path
-            **dropout_options(cfg, figures.kind))
+            **dropout_options(cfg, figures.kind), **analytic_device_options(figures.kind))
     path = profile_cache_path(cfg, spec) if cfg.cost_model == "profile" else cfg.cost_model
     # shapes shorter than the grid are bounded by its first point, more rows scaled (the
     # trainer must be able to plan any sample)
