@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 # Layer kinds. A stage is a tuple of them, in execution order.
 EMBEDDING = "embedding"          # word (+ learned position) embedding of the GPT / T5-encoder input
 DEC_EMBEDDING = "dec_embedding"  # T5 decoder input embedding (first decoder stage)
@@ -146,6 +148,15 @@ class ModelSpec:
         if self.pipeline_cut:
             return sum(self.pipeline_cut[:stage]) // 2
         return stage * (self.total_layers // num_stages)
+
+
+def token_weighted_length(lengths, max_len: float) -> float:
+    """The length of the sample an average token sits in (sum l^2 / sum l, samples' lengths
+    summed over their parts and cut at `max_len`): the length a half-layer cut is balanced
+    at, since attention grows with it."""
+    total = np.asarray(lengths, dtype=np.float64)
+    total = np.minimum(total.reshape(len(total), -1).sum(axis=1), max_len)
+    return float((total ** 2).sum() / max(total.sum(), 1.0))
 
 
 def balanced_cut(unit_costs, num_stages: int) -> tuple[int, ...]:

@@ -412,3 +412,10 @@ def test_analytic_balanced_cut_gives_a_large_output_layer_fewer_half_layers():
         arrays = model.stage_cost_arrays(np.array([1.0]), np.array([256.0]), np.array([0.0]), 2)
         return float((arrays.fwd_ms + arrays.bwd_ms).max())
     assert slowest(cut) == min(slowest((k, 16 - k)) for k in range(1, 16))
+
+
+def test_token_weighted_length_is_the_sample_length_of_an_average_token():
+    from dynapipe_ext.model_spec import token_weighted_length
+    assert token_weighted_length([2, 4], 100) == pytest.approx((4 + 16) / 6)
+    assert token_weighted_length([2, 4], 3) == pytest.approx((4 + 9) / 5)     # cut at max_len
+    assert token_weighted_length([[1, 1], [3, 1]], 100) == pytest.approx((4 + 16) / 6)  # T5 parts

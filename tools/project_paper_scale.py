@@ -66,7 +66,8 @@ from dynapipe_ext.cost_model import (AnalyticCostModel, CostModel, StageCostArra
                                      analytic_balanced_cut, shape_feasible)
 from dynapipe_ext.cost_profile import load_profile  # noqa: E402
 from dynapipe_ext.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER,  # noqa: E402
-                                     ENC_NORM, GPT_LAYER, HEAD, ModelSpec)
+                                     ENC_NORM, GPT_LAYER, HEAD, ModelSpec,
+                                     token_weighted_length)
 from dynapipe_ext.planners import (PlannerConfig, PlanningError,  # noqa: E402
                                    effective_lengths, plan_micro_batches)
 from dynapipe_ext.schedule_search import micro_batch_costs, search_schedule  # noqa: E402
@@ -409,9 +410,7 @@ def balanced_gpt(max_len: int, seed: int, tokens: int = TOKENS) -> ModelSpec:
     """PAPER_GPT cut in half layers over STAGES stages as `--pipeline-split balanced` would cut
     it, with the analytic model (DEVICE's figures, TP) at the token-weighted mean length of
     the first global batch."""
-    lengths = np.asarray(global_batch("gpt", tokens, max_len, 0, seed), dtype=np.float64)
-    lengths = np.minimum(lengths.reshape(len(lengths), -1).sum(axis=1), max_len)
-    seq = (lengths ** 2).sum() / lengths.sum()
+    seq = token_weighted_length(global_batch("gpt", tokens, max_len, 0, seed), max_len)
     cut = analytic_balanced_cut(PAPER_GPT, STAGES, seq, tp=TENSOR_PARALLEL["gpt"], **DEVICE)
     return replace(PAPER_GPT, pipeline_cut=cut)
 

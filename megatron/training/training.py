@@ -258,11 +258,11 @@ def balanced_cut_here(cfg: TrainConfig, spec: ModelSpec, lengths: np.ndarray,
     rows for about an eighth of a pipeline's tokens. Measured rather than predicted: on a
     CPU the analytic model's FLOPs put too little time in attention and too much in the
     output layer, and the cut then overshoots."""
-    from dynapipe_ext.model_spec import balanced_cut
+    from dynapipe_ext.model_spec import balanced_cut, token_weighted_length
     from megatron.model.profile_layers import half_layer_unit_times
-    lengths = np.asarray(lengths, dtype=np.float64).reshape(len(lengths), -1).sum(axis=1)
-    seq = int(min(cfg.seq_length, max(8.0, (lengths ** 2).sum() / max(lengths.sum(), 1.0))))
-    rows = max(1, round(lengths.sum() / layout.dp / (8 * layout.pp) / seq))
+    seq = max(8, int(token_weighted_length(lengths, cfg.seq_length)))
+    tokens = float(np.asarray(lengths).sum())
+    rows = max(1, round(tokens / layout.dp / (8 * layout.pp) / seq))
     times = half_layer_unit_times(spec, stage_config(cfg, spec, layout), rows, seq,
                                   layout.device,
                                   tie_embeddings=not cfg.untie_embeddings_and_output_weights)
