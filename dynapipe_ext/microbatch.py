@@ -1,5 +1,9 @@
 """What every micro-batch planner returns: micro-batches (rows of sample ids in a padded shape)
-per data-parallel replica. Training, tests and benchmarks only ever see these types."""
+per data-parallel replica. Training, tests and benchmarks only ever see these types.
+
+A packed micro-batch (several samples in a row, attention within a sample only) costs what its
+samples cost, not what its padded rectangle would: `packed_cost_shape` gives the shape a cost
+model is asked for instead (see there)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +13,9 @@ import numpy as np
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 MODEL_TYPES = ("gpt", "t5")
+# how the dynamic planner lays out a micro-batch: one token stream of its samples (no padding
+# but the alignment at the end) or the paper's one sample per row, padded to the longest
+DYNAMIC_LAYOUTS = ("packed", "padded")
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,10 @@ class MicroBatch:
     recompute: str = "none"
     time_ms: float = 0.0         # predicted forward+backward time on the slowest stage
     memory_bytes: int = 0        # predicted activation bytes kept for backward, busiest stage
+    # (rows, seq_len, dec_seq_len) a cost model prices this micro-batch as; None = its tensor
+    # shape. Packed micro-batches carry packed_cost_shape(...) here (planning only: plans sent
+    # to ranks do not carry it)
+    cost_shape: tuple[float, float, float] | None = field(default=None, compare=False)
 
     @property
     def sample_ids(self) -> tuple[int, ...]:
@@ -34,6 +45,12 @@ class MicroBatch:
     @property
     def is_packed(self) -> bool:
         return any(len(row) > 1 for row in self.rows)
+
+    def costed_shape(self) -> tuple[float, float, float]:
+        """The shape cost models price this micro-batch at (see `cost_shape`)."""
+        if self.cost_shape is not None:
+            return self.cost_shape
+        return float(self.num_rows), float(self.seq_len), float(self.dec_seq_len)
 
     def slots(self) -> tuple[int, int]:
         """Token slots in the (encoder, decoder) tensors, pads included."""
@@ -55,6 +72,21 @@ class BatchPlan:
 
     def sample_ids(self) -> list[int]:
         return [s for mb in self.micro_batches for s in mb.sample_ids]
+
+
+def packed_cost_shape(enc_slots, enc_square, dec_slots=0.0):
+    """(rows, seq_len, dec_seq_len) of the padded rectangle that costs what packed samples cost:
+    `enc_slots` token slots (real tokens plus the alignment pad) whose attention works on
+    `enc_square` = sum of the samples' squared lengths. rows * seq_len = slots and
+    rows * seq_len^2 = sum l_i^2, so a cost model's token-linear terms (matmuls, kept bytes,
+    logits) see the slots and its attention terms the per-sample work, never a row's S^2.
+    T5: the decoder side shares the rows, dec_seq_len = dec_slots / rows (its self- and
+    cross-attention are then exact for samples of equal shape and close for the similar
+    shapes a planner groups). Vectorised; rows >= 1 and seq_len <= the longest sample."""
+    slots = np.asarray(enc_slots, dtype=np.float64)
+    square = np.maximum(np.asarray(enc_square, dtype=np.float64), 1.0)
+    rows = slots * slots / square
+    return rows, square / slots, np.asarray(dec_slots, dtype=np.float64) / rows
 
 
 def as_lengths(lengths: Sequence, model: str) -> np.ndarray:

@@ -11,15 +11,15 @@ possible (replica_split)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
 from .cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_needed
 from .dp_split import makespan_objective, optimal_split
-from .microbatch import (MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch, as_lengths,
-                         padding_efficiency)
+from .microbatch import (DYNAMIC_LAYOUTS, MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch,
+                         as_lengths, packed_cost_shape, padding_efficiency)
 from .ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
                        t5_order)
 from .replica_split import balanced_partition, replica_makespans
@@ -28,6 +28,10 @@ OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
 REFINE_ROUNDS = 16   # T5 local-search rounds: on FLAN-like batches later ones add < 0.1%
 PACKING_ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+# how packing's rows compute attention, hence how they are costed: per sample ("segments",
+# the trainer's default: FlexAttention / grouped SDPA) or over the whole row with a
+# block-diagonal mask ("mask", S^2 work: packing without a varlen kernel)
+PACKED_ATTENTION = ("segments", "mask")
 
 
 class PlanningError(ValueError):
@@ -56,7 +60,15 @@ class PlannerConfig:
     min_padding_efficiency: if set (0 < x <= 1), the dynamic planner only forms micro-batches of
         two or more samples whose real / padded tokens reach it (encoder and decoder apart;
         one-sample micro-batches are always allowed). It trades predicted time for padding:
-        the plan is optimal among splits obeying it. None = no constraint."""
+        the plan is optimal among splits obeying it. None = no constraint (padded layout only).
+    dynamic_layout: how the dynamic planner lays out a micro-batch (microbatch.DYNAMIC_LAYOUTS):
+        "packed", one token stream of its samples (one row; positions restart per sample,
+        attention within a sample; only the end is padded, to round_to), costed by
+        microbatch.packed_cost_shape; or "padded", the DynaPipe paper's one sample per row,
+        padded to the longest.
+    packed_attention: how packing's rows compute attention (PACKED_ATTENTION), so the packing
+        strategy is costed as it runs: "segments" by slots and per-sample attention, "mask"
+        as dense rows."""
 
     model: str = "gpt"
     max_seq_len: int = 2048
@@ -77,6 +89,8 @@ class PlannerConfig:
     dp_probes: int = 32
     max_segment_samples: int | None = None
     min_padding_efficiency: float | None = None
+    dynamic_layout: str = "padded"
+    packed_attention: str = "segments"
 
     def __post_init__(self):
         def positive(name, allow_none=False):
@@ -119,6 +133,12 @@ class PlannerConfig:
         if self.overlong not in OVERLONG_POLICIES:
             raise ValueError(f"PlannerConfig.overlong must be one of {OVERLONG_POLICIES}, "
                              f"got {self.overlong!r}")
+        if self.dynamic_layout not in DYNAMIC_LAYOUTS:
+            raise ValueError(f"PlannerConfig.dynamic_layout must be one of {DYNAMIC_LAYOUTS}, "
+                             f"got {self.dynamic_layout!r}")
+        if self.packed_attention not in PACKED_ATTENTION:
+            raise ValueError(f"PlannerConfig.packed_attention must be one of "
+                             f"{PACKED_ATTENTION}, got {self.packed_attention!r}")
         if self.t5_order not in T5_ORDERS + ("auto",):
             raise ValueError(f"PlannerConfig.t5_order must be 'auto' or one of {T5_ORDERS}, "
                              f"got {self.t5_order!r}")
@@ -222,6 +242,40 @@ class PlanningContext:
                            int(dec), modes[int(mode)], float(t), int(mem))
                 for rows, seq, dec, mode, t, mem in zip(rows_list, seq_lens, dec_seq_lens,
                                                          c.mode, c.time_ms, c.memory_bytes)]
+
+    def aligned(self, tokens) -> np.ndarray:
+        """Token counts rounded up to a multiple of round_to (a packed stream's only pad)."""
+        r = self.config.round_to
+        return -(-np.asarray(tokens) // r) * r
+
+    def packed_micro_batches(self, groups) -> list[MicroBatch] | None:
+        """Each group of sample ids as one packed token stream (dynamic_layout "packed"),
+        costed in one call; None when one of them fits in no allowed recompute mode."""
+        enc_t = self.aligned([int(self.enc[g].sum()) for g in groups])
+        dec_t = self.aligned([int(self.dec[g].sum()) for g in groups])
+        return self.segment_costed([MicroBatch((tuple(int(i) for i in g),), int(e), int(d))
+                                    for g, e, d in zip(groups, enc_t, dec_t)])
+
+    def segment_costed(self, mbs: list[MicroBatch], strict: bool = False
+                       ) -> list[MicroBatch] | None:
+        """`mbs` costed as rows whose samples attend only within themselves (packed streams,
+        packing's rows under per-segment attention): their slots and their samples' squared
+        lengths (packed_cost_shape). When one fits in no allowed recompute mode: None, or
+        with `strict` a PlanningError naming it."""
+        squares = [float((self.enc[list(mb.sample_ids)] ** 2).sum()) for mb in mbs]
+        slots = np.array([mb.slots() for mb in mbs], dtype=np.float64).reshape(-1, 2)
+        shape = packed_cost_shape(slots[:, 0], squares, slots[:, 1])
+        c = self.cost(*shape)
+        if (c.mode < 0).any():
+            if not strict:
+                return None
+            bad = mbs[int(np.flatnonzero(c.mode < 0)[0])]
+            raise PlanningError(self.explain_infeasible(bad.rows, bad.seq_len, bad.dec_seq_len))
+        modes = self.config.recompute_modes
+        return [replace(mb, recompute=modes[int(m)], time_ms=float(t), memory_bytes=int(mem),
+                        cost_shape=tuple(float(x[i]) for x in shape))
+                for i, (mb, m, t, mem) in enumerate(zip(mbs, c.mode, c.time_ms,
+                                                        c.memory_bytes))]
 
     def explain_infeasible(self, rows, seq_len: int, dec_seq_len: int) -> str:
         ids = [int(s) for r in rows for s in r]
@@ -339,7 +393,11 @@ def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
         dec = cfg.max_dec_seq_len
     rows = ctx.default_rows()
     groups = [packs[i:i + rows] for i in range(0, len(packs), rows)]
-    out = ctx.micro_batches(groups, [cfg.max_seq_len] * len(groups), [dec] * len(groups))
+    if cfg.packed_attention == "mask":
+        out = ctx.micro_batches(groups, [cfg.max_seq_len] * len(groups), [dec] * len(groups))
+    else:
+        out = ctx.segment_costed([MicroBatch(tuple(tuple(int(s) for s in r) for r in g),
+                                             cfg.max_seq_len, dec) for g in groups], strict=True)
     ctx.info.update(micro_batch_size=rows, packed_rows=len(packs))
     return out
 
@@ -347,7 +405,14 @@ def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
 def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
     """DynaPipe: order samples so neighbours have similar shapes, then take the contiguous
     split minimising sum_k t_k / D + (P - 1) max_k t_k (dp_split.optimal_split), each
-    micro-batch in the cheapest recompute mode that fits memory.
+    micro-batch in the cheapest recompute mode that fits memory, laid out as
+    config.dynamic_layout says.
+
+    Packed layout: a micro-batch is one token stream of its samples, costed by its slots and
+    per-sample attention (microbatch.packed_cost_shape). The packer's own plan (packing's
+    micro-batches at every power-of-two rows per micro-batch, each as one stream) is a
+    candidate too, so the plan is never predicted slower than packing's under the same cost
+    model; T5 skips the local-search refinement (it refines padded shapes).
 
     T5 with t5_order="auto" plans the clustering + TSP order of the DynaPipe paper, refines
     its split by a local search over sample moves between micro-batches
@@ -374,23 +439,55 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
         by_order[name] = None if planned is None else planned[2].objective
         if planned is not None:
             best = planned
-        if name == "cluster-tsp" and cfg.t5_order == "auto":
+        if name == "cluster-tsp" and cfg.t5_order == "auto" and cfg.dynamic_layout == "padded":
             # refine now: a low incumbent makes the remaining orders' tables and DPs cheap
             planned = _refined(ctx, best)
             by_order["refined"] = None if planned is None else planned[2].objective
             if planned is not None:
                 best = planned
     name, order, split, table = best
-    out = []
     modes = cfg.recompute_modes
-    for start, end in split.segments():
-        k = end - start - 1
-        seq, dec = table.shape(start, end)
-        out.append(MicroBatch(tuple((int(s),) for s in order[start:end]), seq, dec,
-                              modes[int(table.mode[end - 1, k])], float(table.time[end - 1, k]),
-                              int(table.memory[end - 1, k])))
-    ctx.info.update(objective_ms=split.objective, segments_costed=table.costed, order=name)
+    out = [table.shapes.micro_batch(start, end, modes[int(table.mode[end - 1, end - start - 1])],
+                                    float(table.time[end - 1, end - start - 1]),
+                                    int(table.memory[end - 1, end - start - 1]))
+           for start, end in split.segments()]
+    objective = split.objective
+    if cfg.dynamic_layout == "packed":
+        packed = _packing_candidate(ctx)
+        if packed is not None and packed[0] < objective:
+            objective, out, name = packed[0], packed[1], "packing"
+        by_order["packing"] = None if packed is None else packed[0]
+    ctx.info.update(objective_ms=objective, segments_costed=table.costed, order=name,
+                    dynamic_layout=cfg.dynamic_layout)
     return out
+
+
+def _packing_candidate(ctx: PlanningContext):
+    """(objective, micro-batches) of the best packing plan laid out as packed streams: the
+    configured packer's rows, grouped 1, 2, 4, ... rows per micro-batch in packing's order;
+    None when no grouping fits memory."""
+    from .packing import pack_pairs, pack_sequences
+    cfg = ctx.config
+    if cfg.model == "gpt":
+        packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
+                               cfg.max_pack_depth)
+    else:
+        packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
+                           cfg.packing_algorithm, cfg.max_pack_depth)
+    best = None
+    rows = 1
+    while True:
+        groups = [np.array([s for row in packs[i:i + rows] for s in row], dtype=np.int64)
+                  for i in range(0, len(packs), rows)]
+        mbs = ctx.packed_micro_batches(groups)
+        if mbs is not None:
+            value = makespan_objective([mb.time_ms for mb in mbs], cfg.pipeline_stages,
+                                       cfg.data_parallel)
+            if best is None or value < best[0]:
+                best = (value, mbs)
+        if rows >= len(packs):
+            return best
+        rows *= 2
 
 
 def _refined(ctx: PlanningContext, best):
@@ -409,13 +506,11 @@ def _chunked_objective(ctx: PlanningContext, order: np.ndarray) -> float | None:
     samples (one cost call); an upper bound on the optimum that lets the first order's
     table leave out slow segments (_plan_order). None when none of these fits memory."""
     n = ctx.n
-    pe, pd = ctx.padded_enc(ctx.enc[order]), ctx.padded_dec(ctx.dec[order])
     sizes = np.unique(np.clip(np.round(n / np.array([8, 16, 32, 64])), 1, n)).astype(np.int64)
     starts = [np.arange(0, n, size) for size in sizes]
-    rows = np.concatenate([np.diff(np.append(st, n)) for st in starts])
-    seq = np.concatenate([np.maximum.reduceat(pe, st) for st in starts])
-    dec = np.concatenate([np.maximum.reduceat(pd, st) for st in starts])
-    times = ctx.cost(rows, seq, dec).time_ms
+    begin = np.concatenate(starts)
+    end = np.concatenate([np.append(st[1:], n) for st in starts])
+    times = ctx.cost(*segment_shapes(ctx, order).cost_shapes(begin, end)).time_ms
     best = None
     for t in np.split(times, np.cumsum([len(st) for st in starts])[:-1]):
         if np.isfinite(t).all():
@@ -437,8 +532,7 @@ def _plan_order(ctx: PlanningContext, name: str, order: np.ndarray,
     bound = np.inf if incumbent is None else (
         incumbent / (1.0 / cfg.data_parallel + cfg.pipeline_stages - 1))
     try:
-        table = SegmentTable(ctx, order, ctx.padded_enc(ctx.enc[order]),
-                             ctx.padded_dec(ctx.dec[order]), time_bound=bound)
+        table = SegmentTable(ctx, order, time_bound=bound)
         split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
                               cfg.dp_probes, np.inf if incumbent is None else incumbent)
     except (PlanningError, ValueError):
@@ -462,20 +556,74 @@ def _segment_time_fn(ctx: PlanningContext):
     return segment_time
 
 
+class PaddedSegments:
+    """Contiguous segments [start, end) of a sample order in the padded layout: one sample per
+    row, every row padded to the segment's longest (rounded to round_to)."""
+
+    def __init__(self, ctx: PlanningContext, order: np.ndarray):
+        self.order = order
+        self.enc_max = RangeMax(ctx.padded_enc(ctx.enc[order]))
+        self.dec_max = RangeMax(ctx.padded_dec(ctx.dec[order]))
+
+    def cost_shapes(self, start: np.ndarray, end: np.ndarray):
+        """(rows, seq_len, dec_seq_len) arrays the cost model prices the segments at."""
+        return end - start, self.enc_max(start, end), self.dec_max(start, end)
+
+    def micro_batch(self, start: int, end: int, mode: str, time_ms: float,
+                    memory: int) -> MicroBatch:
+        seq, dec = (int(m(np.array([start]), np.array([end]))[0])
+                    for m in (self.enc_max, self.dec_max))
+        return MicroBatch(tuple((int(s),) for s in self.order[start:end]), seq, dec, mode,
+                          time_ms, memory)
+
+
+class PackedSegments:
+    """Contiguous segments [start, end) of a sample order in the packed layout: the segment's
+    samples as one token stream (one row) per side, its length rounded up to round_to, costed
+    by microbatch.packed_cost_shape from prefix sums of lengths and squared lengths."""
+
+    def __init__(self, ctx: PlanningContext, order: np.ndarray):
+        self.ctx = ctx
+        self.order = order
+        enc, dec = ctx.enc[order].astype(np.int64), ctx.dec[order].astype(np.int64)
+        self._cum = [np.concatenate([[0], np.cumsum(x)]) for x in (enc, enc * enc, dec)]
+
+    def _sums(self, start, end):
+        return [c[end] - c[start] for c in self._cum]
+
+    def cost_shapes(self, start: np.ndarray, end: np.ndarray):
+        enc, square, dec = self._sums(start, end)
+        return packed_cost_shape(self.ctx.aligned(enc), square, self.ctx.aligned(dec))
+
+    def micro_batch(self, start: int, end: int, mode: str, time_ms: float,
+                    memory: int) -> MicroBatch:
+        enc, square, dec = self._sums(start, end)
+        enc, dec = int(self.ctx.aligned(enc)), int(self.ctx.aligned(dec))
+        shape = tuple(float(x) for x in packed_cost_shape(enc, square, dec))
+        return MicroBatch((tuple(int(s) for s in self.order[start:end]),), enc, dec, mode,
+                          time_ms, memory, shape)
+
+
+def segment_shapes(ctx: PlanningContext, order: np.ndarray):
+    """The segment shapes of the configured dynamic layout."""
+    if ctx.config.dynamic_layout == "packed":
+        return PackedSegments(ctx, order)
+    return PaddedSegments(ctx, order)
+
+
 class SegmentTable:
     """Time / recompute mode / memory of every feasible contiguous segment of the order:
-    entry [j - 1, k] is the segment of order positions [j - 1 - k, j). Segments that do not
+    entry [j - 1, k] is the segment of order positions [j - 1 - k, j), shaped by the
+    configured layout (`shapes`: PaddedSegments or PackedSegments). Segments that do not
     fit memory even in the lightest mode are inf; their lengths are found per end position
     by a vectorised binary search (memory grows with rows and lengths). With a finite
     `time_bound`, only segments at most that slow are costed and kept (`_segments_under`):
     a much smaller table when the bound is tight."""
 
-    def __init__(self, ctx: PlanningContext, order: np.ndarray, pe: np.ndarray, pd: np.ndarray,
-                 time_bound: float = np.inf):
+    def __init__(self, ctx: PlanningContext, order: np.ndarray, time_bound: float = np.inf):
         self.ctx = ctx
         self.order = order
-        self._enc_max = RangeMax(pe)
-        self._dec_max = RangeMax(pd)
+        self.shapes = segment_shapes(ctx, order)
         n = len(order)
         ends = np.arange(1, n + 1)
         cap = ctx.config.max_segment_samples or max(64, MAX_TABLE_ENTRIES // n)
@@ -489,20 +637,23 @@ class SegmentTable:
             if np.isfinite(time_bound):
                 raise PlanningError(f"sample {int(order[j])} alone is slower than the time "
                                     f"bound {time_bound:.3f} ms (or does not fit memory)")
-            raise PlanningError(ctx.explain_infeasible([(int(order[j]),)], int(pe[j]), int(pd[j])))
+            sample = int(order[j])
+            raise PlanningError(ctx.explain_infeasible(
+                [(sample,)], int(ctx.padded_enc(ctx.enc[sample])),
+                int(ctx.padded_dec(ctx.dec[sample]))))
         ctx.info["segment_cap"] = int(cap)
         if not np.isfinite(time_bound):
             end_of = np.repeat(ends, reach)
             k = np.arange(len(end_of)) - np.repeat(np.cumsum(reach) - reach, reach)
-            costs = ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
-                             self._dec_max(end_of - 1 - k, end_of))
+            costs = ctx.cost(*self.shapes.cost_shapes(end_of - 1 - k, end_of))
         width = int(reach.max())
         start = end_of - 1 - k
         self.time = np.full((n, width), np.inf)
         self.mode = np.full((n, width), -1, dtype=np.int64)
         self.memory = np.zeros((n, width))
         self.time[end_of - 1, k] = costs.time_ms
-        if ctx.config.min_padding_efficiency is not None:
+        if ctx.config.min_padding_efficiency is not None and isinstance(self.shapes,
+                                                                         PaddedSegments):
             wasteful = k > 0
             wasteful &= ~self._efficient(ctx, order, start, end_of, k + 1)
             self.time[end_of[wasteful] - 1, k[wasteful]] = np.inf
@@ -515,18 +666,14 @@ class SegmentTable:
         """Per segment [start, end) of the order: real / padded tokens reach
         min_padding_efficiency on the encoder (GPT) side and, for T5, the decoder side."""
         ok = np.ones(len(start), dtype=bool)
-        sides = [(ctx.enc, self._enc_max)]
+        sides = [(ctx.enc, self.shapes.enc_max)]
         if ctx.config.model == "t5":
-            sides.append((ctx.dec, self._dec_max))
+            sides.append((ctx.dec, self.shapes.dec_max))
         for real, padded_max in sides:
             cum = np.concatenate([[0], np.cumsum(real[order], dtype=np.int64)])
             ok &= (cum[end] - cum[start]
                    >= ctx.config.min_padding_efficiency * rows * padded_max(start, end))
         return ok
-
-    def shape(self, start: int, end: int) -> tuple[int, int]:
-        return (int(self._enc_max(np.array([start]), np.array([end]))[0]),
-                int(self._dec_max(np.array([start]), np.array([end]))[0]))
 
     def _segments_under(self, ends: np.ndarray, cap: int, bound: float):
         """(end, k, costs) of every segment of k + 1 <= cap samples with time <= bound, by
@@ -540,8 +687,7 @@ class SegmentTable:
             count = np.clip(np.minimum(active, hi) - lo, 0, None)
             end_of = np.repeat(active, count)
             k = lo + np.arange(len(end_of)) - np.repeat(np.cumsum(count) - count, count)
-            costs = self.ctx.cost(k + 1, self._enc_max(end_of - 1 - k, end_of),
-                                  self._dec_max(end_of - 1 - k, end_of))
+            costs = self.ctx.cost(*self.shapes.cost_shapes(end_of - 1 - k, end_of))
             ok = costs.time_ms <= bound
             # keep each end's prefix of fast-enough lengths (robust to a non-monotone model)
             bad_so_far = np.cumsum(~ok)
@@ -565,16 +711,14 @@ class SegmentTable:
         top = np.minimum(ends, cap)
         # first try the longest allowed segments (memory often binds nowhere), then binary
         # search the rest
-        whole = self.ctx.cost(top, self._enc_max(ends - top, ends),
-                              self._dec_max(ends - top, ends), lightest).mode >= 0
+        whole = self.ctx.cost(*self.shapes.cost_shapes(ends - top, ends), lightest).mode >= 0
         lo = np.where(whole, top, 0)
         hi = np.where(whole, top, top - 1)
         active = np.flatnonzero(lo < hi)
         while active.size:
             mid = (lo[active] + hi[active] + 1) // 2
             e = ends[active]
-            fits = self.ctx.cost(mid, self._enc_max(e - mid, e), self._dec_max(e - mid, e),
-                                 lightest).mode >= 0
+            fits = self.ctx.cost(*self.shapes.cost_shapes(e - mid, e), lightest).mode >= 0
             lo[active] = np.where(fits, mid, lo[active])
             hi[active] = np.where(fits, hi[active], mid - 1)
             active = active[lo[active] < hi[active]]
@@ -655,12 +799,18 @@ def plan_micro_batches(lengths, config: PlannerConfig, cost_model: CostModel,
 
 
 def _enough_for_replicas(ctx: PlanningContext, mbs: list[MicroBatch]) -> list[MicroBatch]:
-    """Halve the micro-batch with the most rows (keeping its padded shape) until every
-    data-parallel replica can get one; PlanningError when rows run out."""
+    """Halve the micro-batch with the most samples (a padded one keeps its padded shape, a
+    packed stream becomes two streams) until every data-parallel replica can get one;
+    PlanningError when samples run out."""
     mbs = list(mbs)
     while len(mbs) < ctx.config.data_parallel:
-        big = max(range(len(mbs)), key=lambda i: (mbs[i].num_rows, -i))
+        big = max(range(len(mbs)), key=lambda i: (len(mbs[i].sample_ids), -i))
         mb = mbs[big]
+        if mb.cost_shape is not None and len(mb.sample_ids) > 1:
+            # a packed stream: halve its samples (halves of a stream that fits memory fit too)
+            mbs[big:big + 1] = ctx.packed_micro_batches(
+                np.array_split(np.array(mb.sample_ids), 2))
+            continue
         if mb.num_rows < 2:
             raise PlanningError(f"{sum(m.num_rows for m in mbs)} row(s) cannot feed "
                                 f"{ctx.config.data_parallel} data-parallel replicas (each needs "
@@ -676,18 +826,20 @@ def _enough_for_replicas(ctx: PlanningContext, mbs: list[MicroBatch]) -> list[Mi
 def attention_efficiency(plan: BatchPlan, lengths: np.ndarray) -> float:
     """Useful attention work / computed attention work. GPT: sum l_i^2 / sum rows * s^2; T5:
     self-attention on both sides plus cross-attention, (e^2 + d^2 + e*d) per sample against
-    rows * (s^2 + sd^2 + s*sd). A packed row computes its full row length squared."""
+    rows * (s^2 + sd^2 + s*sd), at each micro-batch's costed shape: a packed stream computes
+    its samples' attention (packed_cost_shape), a row of packing's layout its full length
+    squared."""
     lengths = np.asarray(lengths, dtype=np.float64)
     ids = np.asarray(plan.sample_ids(), dtype=np.int64)
-    mbs = plan.micro_batches
+    shapes = np.array([mb.costed_shape() for mb in plan.micro_batches]).reshape(-1, 3)
+    rows, s, d = shapes.T
     if lengths.ndim == 1:
         useful = float((lengths[ids] ** 2).sum())
-        computed = sum(mb.num_rows * float(mb.seq_len) ** 2 for mb in mbs)
+        computed = float((rows * s * s).sum())
     else:
-        e, d = lengths[ids, 0], lengths[ids, 1]
-        useful = float((e * e + d * d + e * d).sum())
-        computed = sum(mb.num_rows * (float(mb.seq_len) ** 2 + float(mb.dec_seq_len) ** 2
-                                      + float(mb.seq_len) * mb.dec_seq_len) for mb in mbs)
+        e, dl = lengths[ids, 0], lengths[ids, 1]
+        useful = float((e * e + dl * dl + e * dl).sum())
+        computed = float((rows * (s * s + d * d + s * d)).sum())
     return useful / computed if computed else 1.0
 
 

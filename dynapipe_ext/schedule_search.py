@@ -157,9 +157,8 @@ def costs_from_micro_batches(micro_batches: Sequence[MicroBatch], cost_model: Co
     fwd, bwd, act, peak, comm = (np.zeros(shape) for _ in range(5))
     for mode in sorted({mb.recompute for mb in micro_batches}):
         idx = [i for i, mb in enumerate(micro_batches) if mb.recompute == mode]
-        arrays = cost_model.stage_cost_arrays([micro_batches[i].num_rows for i in idx],
-                              [micro_batches[i].seq_len for i in idx],
-                              [micro_batches[i].dec_seq_len for i in idx], num_stages, mode)
+        rows, seq, dec = np.array([micro_batches[i].costed_shape() for i in idx]).T
+        arrays = cost_model.stage_cost_arrays(rows, seq, dec, num_stages, mode)
         if not np.all(arrays.feasible):
             mb_index = idx[int(np.argmin(arrays.feasible))]
             mb = micro_batches[mb_index]

@@ -106,9 +106,8 @@ def test_bounded_segment_table_is_the_full_table_cut_at_the_bound(bound):
     batch = multitask_t5_batch(4, tokens=32768)
     ctx, _ = t5_context(batch)
     order = t5_order(ctx.enc, ctx.dec, "snake")
-    pe, pd = ctx.padded_enc(ctx.enc[order]), ctx.padded_dec(ctx.dec[order])
-    full = SegmentTable(ctx, order, pe, pd).time
-    cut = SegmentTable(ctx, order, pe, pd, time_bound=bound).time
+    full = SegmentTable(ctx, order).time
+    cut = SegmentTable(ctx, order, time_bound=bound).time
     expected = np.where(full <= bound, full, np.inf)
     assert np.array_equal(cut, expected[:, :cut.shape[1]])
     assert np.isinf(expected[:, cut.shape[1]:]).all()
