@@ -10,6 +10,7 @@ from typing import Sequence
 
 from dynapipe_ext.flextp.policy import add_balance_args
 from dynapipe_ext.iteration_planner import REPLICA_SPLITS
+from dynapipe_ext.microbatch import DYNAMIC_LAYOUTS
 from dynapipe_ext.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
@@ -48,6 +49,7 @@ class TrainConfig:
     tokens_per_global_batch: int
     micro_batching: str
     packing_algorithm: str
+    dynamic_layout: str
     micro_batch_size: int
     pipeline_schedule: str
     num_planner_workers: int | str   # or "auto" (dynapipe_ext/cluster.py)
@@ -523,6 +525,11 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     batch.add_argument("--global-batch-size", type=int, default=None, help=GLOBAL_BATCH_HELP)
     g.add_argument("--micro-batching", choices=MICRO_BATCHING, default="dynamic")
     g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp")
+    g.add_argument("--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
+                   help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
+                        "(default), one token stream of its samples (no padding but the "
+                        "alignment at its end; attention within each sample), or 'padded', "
+                        "the DynaPipe paper's one sample per row padded to the longest")
     g.add_argument("--micro-batch-size", type=int, default=4,
                    help="rows per micro-batch for --micro-batching padding")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto")
@@ -746,6 +753,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         distributed_timeout_minutes=timeout,
         tokens_per_global_batch=tokens, global_batch_size=args.global_batch_size or 0,
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
+        dynamic_layout=args.dynamic_layout,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
         replica_split=args.replica_split,

@@ -310,7 +310,7 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
         pipeline_stages=pp, data_parallel=dp, tokens_per_global_batch=cfg.tokens_per_global_batch,
         micro_batch_size=cfg.micro_batch_size if cfg.micro_batching == "padding" else None,
-        packing_algorithm=cfg.packing_algorithm)
+        packing_algorithm=cfg.packing_algorithm, dynamic_layout=cfg.dynamic_layout)
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
