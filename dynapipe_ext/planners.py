@@ -472,8 +472,12 @@ def _packing_candidate(ctx: PlanningContext):
         packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
                                cfg.max_pack_depth)
     else:
-        packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
-                           cfg.packing_algorithm, cfg.max_pack_depth)
+        try:
+            packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
+                               cfg.packing_algorithm, cfg.max_pack_depth)
+        except ValueError:      # a packer without a pair version: next-fit's plan instead
+            packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
+                               "nextfit", cfg.max_pack_depth)
     best = None
     rows = 1
     while True:

@@ -176,6 +176,33 @@ def loss_and_grads(spec, batch, mode="segments", recompute="none"):
     return losses.detach(), {n: p.grad.clone() for n, p in stages[0].named_parameters()}, count
 
 
+def test_t5_relative_bias_of_a_packed_stream_equals_padded_rows(world):
+    """T5 with relative position buckets: the same samples as one packed token stream (bias
+    per segment) and one per row (the dense float-mask path) give the same per-token losses
+    and gradients."""
+    spec = ModelSpec("t5", 2, 32, 4, 64, num_decoder_layers=2, max_position_embeddings=64,
+                     position_embedding_type="relative", relative_attention_num_buckets=8,
+                     relative_attention_max_distance=16)
+    samples = random_samples("t5", 6, seed=3)
+    enc = [len(samples[i][0]) for i in range(6)]
+    dec = [len(samples[i][1]) for i in range(6)]
+    padded = build_micro_batch(MicroBatch(tuple((i,) for i in range(6)), max(enc), max(dec)),
+                               samples, "t5", 0)
+    packed = build_micro_batch(MicroBatch((tuple(range(6)),), sum(enc), sum(dec)),
+                               samples, "t5", 0)
+    ref, ref_grads, _ = loss_and_grads(spec, padded)
+    got, grads, _ = loss_and_grads(spec, packed)
+    # per-token losses of the stream, in sample order, against each padded row's
+    want = torch.cat([ref[i, :dec[i]] for i in range(6)])
+    torch.testing.assert_close(got[0, :sum(dec)], want, rtol=1e-5, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    # the stream's bias covers the longest sample, not the stream's length squared
+    from megatron.model.stages import _relative, _self_mask
+    relative = _relative(build_transformer_config(spec), spec, bidirectional=True)
+    assert _self_mask(packed["enc_segments"], relative).bias.shape[-2:] == (max(enc),) * 2
+
+
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_packed_modes_and_recompute_agree_on_a_whole_stage(world, model):
     spec = ModelSpec(model, 2, 32, 4, 64, num_decoder_layers=2 if model == "t5" else 0,
@@ -242,7 +269,8 @@ def test_fused_stage_on_cuda_matches_unfused(world):
 def test_position_bias_is_added_per_sample_with_padding_and_packing(world, lengths, causal):
     """A mask with a bias (T5's relative positions): each real query's output is
     softmax(scale q.k + bias) v over the keys of its own sample (earlier ones when causal),
-    the bias indexed by positions in the row; gradients reach the bias."""
+    the bias indexed by positions from the sample's start (packed rows: each segment's
+    top-left block, not its place in the row); gradients reach the bias."""
     seg = Segments.from_lengths(lengths, 6)
     rows = len(lengths)
     q, k, v = (torch.randn(6, rows, HEADS, DIM, requires_grad=True) for _ in range(3))
@@ -258,7 +286,8 @@ def test_position_bias_is_added_per_sample_with_padding_and_packing(world, lengt
         for n in row:
             span = slice(start, start + n)
             qs, ks, vs = (t[span, r].transpose(0, 1) for t in (q, k, v))   # [heads, n, dim]
-            scores = scale * qs @ ks.transpose(1, 2) + bias[0, :, span, span]
+            own = slice(0, n) if len(row) > 1 else span      # packed: from the sample's start
+            scores = scale * qs @ ks.transpose(1, 2) + bias[0, :, own, own]
             if causal:
                 scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
                                             float("-inf"))

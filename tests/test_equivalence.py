@@ -31,7 +31,8 @@ SPECS = {
     "gpt": ModelSpec("gpt", 4, 32, 4, 128, max_position_embeddings=64),
     "t5": ModelSpec("t5", 2, 32, 4, 128, num_decoder_layers=2, max_position_embeddings=64),
 }
-STYLES = ("padding", "packing", "dynamic")
+# "dynamic-packed": dynamic micro-batches as one token stream each (dynamic_layout "packed")
+STYLES = ("padding", "packing", "dynamic", "dynamic-packed")
 RTOL, LOSS_RTOL, ATOL_FRACTION = 1e-5, 1e-6, 1e-6
 BUCKET_NUMEL = 4096             # several DP buckets per stage, so their order is exercised
 # name -> (processes, tensor parallel, pipeline parallel, schedule)
@@ -84,11 +85,12 @@ def plan_replica(model, style, num_stages, tp, dp, dp_rank, spec=None):
     config = PlannerConfig(model=model, max_seq_len=MAX_SEQ,
                            max_dec_seq_len=MAX_DEC if model == "t5" else 0,
                            pipeline_stages=num_stages, data_parallel=dp, micro_batch_size=3,
-                           memory_limit_bytes=MEMORY_LIMIT)
+                           memory_limit_bytes=MEMORY_LIMIT,
+                           dynamic_layout="packed" if style == "dynamic-packed" else "padded")
     cost = AnalyticCostModel(spec, tp=tp, max_seq_len=MAX_SEQ,
                              max_dec_seq_len=MAX_DEC if model == "t5" else None,
                              num_stages=num_stages, half_rate_tokens=1.0)
-    plan = plan_micro_batches(lengths_of(samples, model), config, cost, style)
+    plan = plan_micro_batches(lengths_of(samples, model), config, cost, style.split("-")[0])
     assert sorted(plan.sample_ids()) == sorted(samples)
     modes = ("none", "full", "selective")
     mbs = [dataclasses.replace(mb, recompute=modes[i % 3])
@@ -223,6 +225,9 @@ def test_planned_micro_batches_are_varied():
         assert any(mb.is_packed for mb in shapes["packing"]), model
         assert not any(mb.is_packed for mb in shapes["padding"] + shapes["dynamic"]), model
         assert len({(mb.num_rows, mb.seq_len) for mb in shapes["dynamic"]}) > 1, model
+        packed = shapes["dynamic-packed"]
+        assert all(mb.num_rows == 1 for mb in packed) and any(mb.is_packed for mb in packed)
+        assert len(packed) > 1, model
 
 
 def dead_peer_worker(rank, world_size):

@@ -22,11 +22,14 @@ segment ids on the device). No S x S array is ever built on the host:
   gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
   length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
 
-A position bias (T5's relative buckets, `AttentionMask.bias`, [1, heads, sq, sk] indexed by
-positions in the row) takes one path on every device: one SDPA call whose float mask is the bias
-where the segment mask allows and -inf elsewhere (S^2, as the bias itself is; a FlexAttention
-score_mod would avoid materialising it on CUDA, not done yet). Masks without a bias take the
-paths above unchanged.
+A position bias (T5's relative buckets, `AttentionMask.bias`, [1, heads, n, n]) depends on
+the query's and key's positions inside their sample, counted from the sample's start: entry
+[i, j] is the bias of query i and key j of a sample. Right-padded rows (n = the padded length)
+run one SDPA call whose float mask is the bias where the segment mask allows and -inf elsewhere
+(S^2, as the bias itself is). Packed rows (n = the longest sample) run per segment, grouped by
+length like the segments mode, each group with the bias's top-left [lq, lk] block as its float
+mask: work and memory follow the samples, never a packed row's S^2 (a FlexAttention score_mod
+would do the same in one kernel on CUDA, not done yet).
 
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
@@ -215,8 +218,13 @@ class SDPAttention(DotProductAttention):
         elif not isinstance(attention_mask, AttentionMask):
             raise TypeError(f"attention_mask must be an AttentionMask, a bool tensor or None, "
                             f"got {type(attention_mask).__name__}")
-        elif attention_mask.bias is not None:
+        elif attention_mask.bias is not None and not (attention_mask.q.packed
+                                                       or attention_mask.k.packed):
             out = self._biased(q, k, v, attention_mask, causal)
+        elif attention_mask.bias is not None:
+            out = self._by_length(query, key, value, attention_mask, causal,
+                                  attention_mask.bias)
+            return out.reshape(sq, batch, -1)
         elif not (attention_mask.q.packed or attention_mask.k.packed):
             out = self._padded(q, k, v, attention_mask, causal)
         elif self.packed_attention == "mask":
@@ -285,15 +293,23 @@ class SDPAttention(DotProductAttention):
         return _flex_attention()(q, k, v, block_mask=mask.cache[key], scale=self.effective_scale,
                                  enable_gqa=q.shape[1] != k.shape[1])
 
-    def _by_length(self, query, key, value, mask: AttentionMask, causal: bool):
+    def _by_length(self, query, key, value, mask: AttentionMask, causal: bool, bias=None):
         """Per-segment attention batched by segment shape; returns [sq, b, heads, dim] with
-        zeros at pad positions."""
+        zeros at pad positions. `bias` ([1, heads, n, n], positions from each sample's start)
+        adds its [lq, lk] block to each group's scores."""
         out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
         for (lq, lk), (q_pos, k_pos, rows) in self._gather_indices(mask, query.device).items():
             qg = query[q_pos, rows].permute(0, 2, 1, 3)            # [n, heads, lq, dim]
             kg = key[k_pos, rows].permute(0, 2, 1, 3)
             vg = value[k_pos, rows].permute(0, 2, 1, 3)
-            og = self._sdpa(qg, kg, vg, None, causal)
+            if bias is None:
+                og = self._sdpa(qg, kg, vg, None, causal)
+            else:
+                scores = bias[:, :, :lq, :lk].to(qg.dtype)
+                if causal:
+                    later = torch.ones(lq, lk, dtype=torch.bool, device=qg.device).triu(1)
+                    scores = scores.masked_fill(later, float("-inf"))
+                og = self._sdpa(qg, kg, vg, scores, False)
             out.index_put_((q_pos, rows), og.permute(0, 2, 1, 3))
         return out
 

@@ -242,10 +242,13 @@ def _relative(config: TransformerConfig, spec: ModelSpec, bidirectional: bool):
 
 def _self_mask(segments, relative) -> AttentionMask:
     """Self-attention mask of `segments`, with the relative position bias when the stack has
-    one (a fresh object then: the bias is part of this forward's graph)."""
+    one (a fresh object then: the bias is part of this forward's graph), over positions from
+    each sample's start: the padded length for right-padded rows, the longest sample for
+    packed ones (attention.SDPAttention takes each segment's block)."""
     if relative is None:
         return AttentionMask.of(segments)
-    n = segments.seq_len
+    n = (max(max(row) for row in segments.lengths if row) if segments.packed
+         else segments.seq_len)
     return AttentionMask(segments, segments, bias=relative._compute_bias(n, n))
 
 
