@@ -464,8 +464,8 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
 
 def _packing_candidate(ctx: PlanningContext):
     """(objective, micro-batches) of the best packing plan laid out as packed streams: the
-    configured packer's rows, grouped 1, 2, 4, ... rows per micro-batch in packing's order;
-    None when no grouping fits memory."""
+    configured packer's rows, grouped 1, 2, 4, ... rows per micro-batch (and the packing
+    strategy's own rows per micro-batch) in packing's order; None when none fits memory."""
     from .packing import pack_pairs, pack_sequences
     cfg = ctx.config
     if cfg.model == "gpt":
@@ -479,8 +479,8 @@ def _packing_candidate(ctx: PlanningContext):
             packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
                                "nextfit", cfg.max_pack_depth)
     best = None
-    rows = 1
-    while True:
+    powers = [1 << k for k in range(max(1, len(packs)).bit_length() + 1)]
+    for rows in sorted(set(powers) | {ctx.default_rows()}):
         groups = [np.array([s for row in packs[i:i + rows] for s in row], dtype=np.int64)
                   for i in range(0, len(packs), rows)]
         mbs = ctx.packed_micro_batches(groups)
@@ -489,9 +489,7 @@ def _packing_candidate(ctx: PlanningContext):
                                        cfg.data_parallel)
             if best is None or value < best[0]:
                 best = (value, mbs)
-        if rows >= len(packs):
-            return best
-        rows *= 2
+    return best
 
 
 def _refined(ctx: PlanningContext, best):

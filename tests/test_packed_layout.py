@@ -1,0 +1,128 @@
+"""Padding-free dynamic micro-batches (PlannerConfig.dynamic_layout "packed"): one token stream
+per micro-batch, costed by its slots and its samples' attention, never predicted slower than
+packing's plan."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dynapipe_ext.cost_model import AnalyticCostModel, memory_needed
+from dynapipe_ext.dp_split import makespan_objective
+from dynapipe_ext.microbatch import packed_cost_shape, padding_efficiency
+from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.planners import PlannerConfig, plan_micro_batches, plan_metrics
+
+GPT = ModelSpec("gpt", num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1000)
+T5 = ModelSpec("t5", num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1000,
+               num_decoder_layers=2)
+
+
+def lognormal(n, seed, mean, cap):
+    rng = np.random.default_rng(seed)
+    return np.minimum(np.exp(rng.normal(mean, 1.0, n)).astype(np.int64) + 1, cap)
+
+
+def gpt_config(**kw):
+    base = dict(model="gpt", max_seq_len=1024, pipeline_stages=2, memory_limit_bytes=4e8,
+                dynamic_layout="packed", packing_algorithm="spfhp")
+    return PlannerConfig(**dict(base, **kw))
+
+
+def t5_config(**kw):
+    base = dict(model="t5", max_seq_len=1024, max_dec_seq_len=256, pipeline_stages=2,
+                memory_limit_bytes=4e8, dynamic_layout="packed")
+    return PlannerConfig(**dict(base, **kw))
+
+
+def test_packed_cost_shape_keeps_slots_and_attention_work():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 2000, rng.integers(1, 40))
+        slots = -(-lengths.sum() // 8) * 8
+        square = float((lengths.astype(np.float64) ** 2).sum())
+        rows, seq, dec = packed_cost_shape(slots, square, 3 * slots)
+        assert rows * seq == pytest.approx(slots)            # token-linear work: the slots
+        assert rows * seq * seq == pytest.approx(square)     # attention: sum of l_i^2
+        assert rows * dec == pytest.approx(3 * slots)        # decoder slots share the rows
+        assert rows >= 1 - 1e-12 and seq <= lengths.max() + 1e-9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpt_streams_hold_every_sample_once_with_almost_no_pad(seed):
+    lengths = lognormal(300, seed, 4.8, 1024)
+    config = gpt_config()
+    plan = plan_micro_batches(lengths, config, AnalyticCostModel(GPT), "dynamic")
+    assert sorted(plan.sample_ids()) == list(range(len(lengths)))
+    assert len(plan.micro_batches) > 1
+    for mb in plan.micro_batches:
+        assert mb.num_rows == 1                       # one token stream
+        real = int(lengths[list(mb.sample_ids)].sum())
+        assert mb.seq_len == -(-real // config.round_to) * config.round_to
+        assert mb.cost_shape is not None
+    assert padding_efficiency(plan, lengths)[0] >= 0.97
+    # attention is costed per sample, so none is wasted
+    assert plan_metrics(plan, lengths, 2)["attention_efficiency"] == pytest.approx(1.0)
+
+
+def test_t5_streams_keep_encoder_and_decoder_in_the_same_sample_order():
+    lengths = np.stack([lognormal(200, 3, 4.8, 1024), lognormal(200, 4, 3.0, 256)], axis=1)
+    plan = plan_micro_batches(lengths, t5_config(), AnalyticCostModel(T5), "dynamic")
+    assert sorted(plan.sample_ids()) == list(range(len(lengths)))
+    enc_eff, dec_eff = padding_efficiency(plan, lengths)
+    assert enc_eff >= 0.97 and dec_eff >= 0.9
+    for mb in plan.micro_batches:
+        (row,) = mb.rows                              # one row: both streams in this order
+        enc, dec = lengths[list(row)].sum(axis=0)
+        assert enc <= mb.seq_len < enc + 8 and dec <= mb.dec_seq_len < dec + 8
+
+
+@pytest.mark.parametrize("stages,replicas", [(1, 1), (2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_packed_dynamic_is_never_predicted_slower_than_packing(stages, replicas, seed):
+    lengths = lognormal(400, seed, 5.0, 1024)
+    config = gpt_config(pipeline_stages=stages, data_parallel=replicas)
+    cost = AnalyticCostModel(GPT, layer_overhead_ms=0.5)
+    dynamic = plan_micro_batches(lengths, config, cost, "dynamic")
+    for rows in (1, 2, 4, 8):
+        packing = plan_micro_batches(lengths, dataclasses.replace(config, micro_batch_size=rows),
+                                     cost, "packing")
+        times = [mb.time_ms for mb in packing.micro_batches]
+        assert dynamic.info["objective_ms"] <= makespan_objective(times, stages, replicas) + 1e-6
+
+
+def test_packing_plan_is_taken_when_it_is_the_best():
+    """Lengths 600, 500, 500, 400 with room for 1,000 tokens per micro-batch and a large
+    per-micro-batch cost: no contiguous split of the length order needs fewer than three
+    micro-batches, the packer finds two (600+400, 500+500). The planner takes packing's."""
+    spec = dataclasses.replace(GPT, max_position_embeddings=1024)
+    cost = AnalyticCostModel(spec, layer_overhead_ms=50.0, max_seq_len=1000)
+    shape = packed_cost_shape([1000.0], [600.0 ** 2 + 400 ** 2], [0.0])
+    limit = float(memory_needed(cost.stage_cost_arrays(*shape, 1))[0]) * 1.0001
+    config = gpt_config(max_seq_len=1000, pipeline_stages=1, memory_limit_bytes=limit,
+                        packing_algorithm="lpfhp", recompute_modes=("none",))
+    plan = plan_micro_batches([600, 500, 500, 400], config, cost, "dynamic")
+    assert plan.info["order"] == "packing"
+    assert sorted(sorted(mb.sample_ids) for mb in plan.micro_batches) == [[0, 3], [1, 2]]
+    padded = plan_micro_batches([600, 500, 500, 400],
+                                dataclasses.replace(config, dynamic_layout="padded"), cost,
+                                "dynamic")
+    # padded rows of 400 + 500 would pad to 1,000 slots: that split is worse still
+    assert len(padded.micro_batches) >= 3 and plan.predicted_time_ms < padded.predicted_time_ms
+
+
+def test_streams_are_halved_to_feed_every_replica():
+    lengths = np.full(12, 50)
+    plan = plan_micro_batches(lengths, gpt_config(pipeline_stages=1, data_parallel=4),
+                              AnalyticCostModel(GPT, layer_overhead_ms=100.0), "dynamic")
+    assert all(len(rep) >= 1 for rep in plan.replicas) and len(plan.replicas) == 4
+    assert sorted(plan.sample_ids()) == list(range(12))
+    assert all(mb.num_rows == 1 for mb in plan.micro_batches)
+
+
+def test_a_large_per_micro_batch_cost_makes_fewer_larger_streams():
+    lengths = lognormal(300, 9, 4.8, 1024)
+    counts = [len(plan_micro_batches(lengths, gpt_config(pipeline_stages=1),
+                                     AnalyticCostModel(GPT, layer_overhead_ms=ms),
+                                     "dynamic").micro_batches) for ms in (0.0, 1.0, 100.0)]
+    assert counts[0] >= counts[1] >= counts[2]
+    assert counts[2] < counts[0]
