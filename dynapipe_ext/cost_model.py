@@ -148,6 +148,12 @@ class AnalyticCostModel(CostModel):
     tests/test_memory_bench.py), counted in the transient bytes. Shapes longer than
     `max_seq_len` / `max_dec_seq_len` are infeasible.
 
+    Host floor: launching a layer's kernels costs the host `host_fwd_ms_per_layer` /
+    `host_bwd_ms_per_layer` whatever the micro-batch's size; host and device overlap, so a
+    stage's forward (backward) takes max(host floor of its layers, device time), never
+    their sum. It is what makes many small micro-batches slow on a GPU (0 = not modelled,
+    the CPU's case: there the host is the device).
+
     GPT half layers (ModelSpec.pipeline_cut): GPT_ATTENTION has the QKV / projection linears,
     the s^2 attention flops, the attention core's kept and transient bytes, and Korthikanti's
     attention-block share of the rest (its norm and QKV inputs, Q, K, V and the projection
@@ -164,7 +170,8 @@ class AnalyticCostModel(CostModel):
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
                  half_rate_tokens: float = 512.0, num_stages: int = 1,
                  dropout: bool = False, full_recompute: str = "layer",
-                 fused_attention: bool = True, sigmoid_gelu: bool = False):
+                 fused_attention: bool = True, sigmoid_gelu: bool = False,
+                 host_fwd_ms_per_layer: float = 0.0, host_bwd_ms_per_layer: float = 0.0):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
@@ -187,6 +194,9 @@ class AnalyticCostModel(CostModel):
         self.full_recompute = full_recompute
         self.fused_attention = fused_attention
         self.sigmoid_gelu = sigmoid_gelu
+        if host_fwd_ms_per_layer < 0 or host_bwd_ms_per_layer < 0:
+            raise ValueError("host_fwd_ms_per_layer and host_bwd_ms_per_layer must be >= 0")
+        self.host_ms_per_layer = (float(host_fwd_ms_per_layer), float(host_bwd_ms_per_layer))
 
     # ---- model states
     @property
@@ -352,6 +362,9 @@ class AnalyticCostModel(CostModel):
                 out[2, k], out[3, k] = self._whole_stage_recompute(stages, k, b, s, d)
             if HEAD not in kinds:   # the output sent on (T5 decoder stages: the new decoder part)
                 out[2, k] += self._hidden_bytes(kinds, b, s, d)
+            units = sum(LAYER_UNITS.get(kind, 0.0) for kind in kinds)
+            for part, host_ms in enumerate(self.host_ms_per_layer):
+                np.maximum(out[part, k], units * host_ms, out=out[part, k])
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
 
     def _hidden_bytes(self, kinds, b, s, d):

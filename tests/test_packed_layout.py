@@ -126,3 +126,36 @@ def test_a_large_per_micro_batch_cost_makes_fewer_larger_streams():
                                      "dynamic").micro_batches) for ms in (0.0, 1.0, 100.0)]
     assert counts[0] >= counts[1] >= counts[2]
     assert counts[2] < counts[0]
+
+
+def test_host_floor_prices_a_micro_batch_at_max_of_host_and_device():
+    """A stage's forward / backward is max(layers x host ms, device time): tiny micro-batches
+    cost the floor, large ones their FLOPs, never the sum."""
+    plain = AnalyticCostModel(GPT, device_flops=1e12)
+    floored = AnalyticCostModel(GPT, device_flops=1e12, host_fwd_ms_per_layer=2.0,
+                                host_bwd_ms_per_layer=3.0)
+    rows, seq = np.array([1.0, 64.0]), np.array([16.0, 1024.0])
+    base = plain.stage_cost_arrays(rows, seq, np.zeros(2), 2)
+    got = floored.stage_cost_arrays(rows, seq, np.zeros(2), 2)
+    layers = 2          # 4 layers over 2 stages
+    np.testing.assert_allclose(got.fwd_ms, np.maximum(base.fwd_ms, layers * 2.0))
+    np.testing.assert_allclose(got.bwd_ms, np.maximum(base.bwd_ms, layers * 3.0))
+    assert (got.fwd_ms[:, 0] == layers * 2.0).all()           # host-bound
+    assert (got.fwd_ms[:, 1] > layers * 2.0).all()            # device-bound
+    np.testing.assert_array_equal(got.activation_bytes, base.activation_bytes)
+
+
+def test_gpu_analytic_model_has_a_host_floor_and_the_cpu_none():
+    from megatron.training import device_costs
+    gpu = AnalyticCostModel(GPT, **device_costs.analytic_device_options("cuda"))
+    cpu = AnalyticCostModel(GPT, **device_costs.analytic_device_options("cpu"))
+    assert min(gpu.host_ms_per_layer) >= 1.0 and cpu.host_ms_per_layer == (0.0, 0.0)
+    # with it, a GPU plan of a FLAN-like batch cuts fewer micro-batches (a small model: its
+    # micro-batches are host-bound)
+    lengths = lognormal(400, 2, 5.0, 1024)
+    config = gpt_config(pipeline_stages=2, memory_limit_bytes=4e10)
+    fewer = plan_micro_batches(lengths, config, AnalyticCostModel(
+        GPT, device_flops=3e14, **device_costs.analytic_device_options("cuda")), "dynamic")
+    more = plan_micro_batches(lengths, config, AnalyticCostModel(
+        GPT, device_flops=3e14, half_rate_tokens=512.0), "dynamic")
+    assert len(fewer.micro_batches) < len(more.micro_batches)

@@ -48,6 +48,13 @@ CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
 # rate near 60 tokens. The model's default (512) is a GPU's, whose kernels need far larger
 # micro-batches; on CPU it made the planner cut too few, too large micro-batches.
 CPU_HALF_RATE_TOKENS = 64.0
+# AnalyticCostModel's host floor per transformer layer on a GPU (forward, backward ms): what
+# launching megatron-core's layer costs the host whatever the micro-batch's size. The H100
+# profile (docs/h100_profile_gpt_l16_h2048.json) times a layer at 1.6-2.2 ms forward and
+# 1.8-2.4 ms backward up to about 1,000 tokens; the device's own time passes the floor only
+# beyond a few thousand tokens per micro-batch. Without it the analytic model cut 15-22
+# micro-batches per iteration on the H100, each host-bound.
+GPU_HOST_MS_PER_LAYER = (1.9, 1.8)
 GPU_BASE_HEADROOM = 1 * GIB       # CUDA context, NCCL buffers, cuBLAS workspaces
 HEADROOM_FRACTION = 0.10          # allocator fragmentation and transient spikes
 # first-use profiling: shapes up to this many tokens are measured (more rows are scaled),
@@ -223,7 +230,10 @@ def dropout_options(cfg, kind: str) -> dict:
 
 def analytic_device_options(kind: str) -> dict:
     """AnalyticCostModel settings that depend on the device kind alone ('cpu' / 'cuda')."""
-    return {"half_rate_tokens": CPU_HALF_RATE_TOKENS} if kind == "cpu" else {}
+    if kind == "cpu":
+        return {"half_rate_tokens": CPU_HALF_RATE_TOKENS}
+    return {"host_fwd_ms_per_layer": GPU_HOST_MS_PER_LAYER[0],
+            "host_bwd_ms_per_layer": GPU_HOST_MS_PER_LAYER[1]}
 
 
 def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
