@@ -336,11 +336,13 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     recorder = PlanRecorder(run, mode)
     stats = []
     total = job["warmup_iters"] + job["iters"]
+    compiles_before = 0
     try:
         for it in range(total):
             if it == job["warmup_iters"]:
                 dist.barrier()
                 reset_peak_memory(run.layout.device)
+                compiles_before = compile_count()
                 started = time.perf_counter()
             s = train_step(run, it)
             run.logger.log(s)
@@ -349,6 +351,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
             torch.cuda.synchronize()
         dist.barrier()
         elapsed = time.perf_counter() - started
+        compiles_timed = compile_count() - compiles_before
     finally:
         run.close()
     recorder.count_flops()
@@ -382,6 +385,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "real_tokens": real, "elapsed_s": elapsed, "tokens_per_s": real / elapsed,
         "iteration_s": [s.iteration_s for s in measured],
         "iteration_tokens_per_s": [s.real_tokens / s.iteration_s for s in measured],
+        "compiles_in_timed_iterations": compiles_timed,
         "padding_efficiency_enc": enc_real / enc_slots if enc_slots else 1.0,
         "padding_efficiency_dec": dec_real / dec_slots if dec_slots else None,
         "micro_batches": [s.num_micro_batches for s in measured],
@@ -400,6 +404,16 @@ def bench_strategy(job: dict, strategy: str) -> dict:
                       for r in records],
         "sample_positions_planned": [r["sample_positions"] for r in records],
     }
+
+
+def compile_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (FlexAttention, fused
+    kernels): a rise inside the timed iterations is a recompile the warm-up did not cover."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
 
 
 def tune_for(cfg, job: dict, strategy: str):
