@@ -123,6 +123,43 @@ def test_flex_document_attention_on_cuda(world, causal):
             device="cuda", tol=(2e-3, 2e-3, 2e-3, 2e-3))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_lengths,k_lengths,sq,sk", [
+    ([(300, 500, 200), (1000,)], [(300, 500, 200), (1000,)], 1024, 1024),
+    ([(100, 28, 140, 3)], [(100, 28, 140, 3)], 300, 300),           # pad tail, partial block
+    ([(50, 700), (129, 1)], [(20, 90), (5, 250)], 760, 260)])        # cross-attention shapes
+def test_document_block_mask_from_lengths_equals_torch_from_the_mask(world, q_lengths,
+                                                                     k_lengths, sq, sk, causal):
+    """The FlexAttention block mask built from lengths on the host selects the same partial
+    and full blocks as torch's create_block_mask evaluating the mask everywhere, and flex
+    attention under it computes the dense-masked attention (eager, on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from megatron.model.attention import flex_block_mask
+    if causal and q_lengths != k_lengths:
+        pytest.skip("causal attention is self-attention")
+    q_seg, k_seg = Segments.from_lengths(q_lengths, sq), Segments.from_lengths(k_lengths, sk)
+    mask = AttentionMask(q_seg, k_seg)
+    ours = flex_block_mask(mask, causal, "cpu")
+
+    def document(b, h, q, k):
+        seen = (q_seg.ids[b, q] == k_seg.ids[b, k]) & (k_seg.ids[b, k] > 0)
+        return (seen & (q >= k)) if causal else seen
+
+    theirs = create_block_mask(document, B=len(q_lengths), H=None, Q_LEN=sq, KV_LEN=sk,
+                               device="cpu", _compile=False)
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    gen = torch.Generator().manual_seed(sq + sk)
+    q = torch.randn(len(q_lengths), 2, sq, 8, generator=gen)
+    k, v = (torch.randn(len(q_lengths), 2, sk, 8, generator=gen) for _ in range(2))
+    got = flex_attention(q, k, v, block_mask=ours)
+    allowed = ~dense_mask(q_seg, k_seg, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    real = (q_seg.ids > 0)[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_query_attention(world):
     compare([(3, 5), (8,)], [(3, 5), (8,)], 9, 9, causal=True, gqa=2)
 

@@ -180,17 +180,79 @@ def _flex_attention():
     return _FLEX["fn"]
 
 
+FLEX_BLOCK = 128     # FlexAttention's block size (queries and keys)
+
+
+def document_blocks(q_lengths, k_lengths, sq: int, sk: int, causal: bool,
+                    block: int = FLEX_BLOCK):
+    """Which (query block, key block) pairs of each row a document mask touches, from the
+    samples' lengths alone (host ints: no device sync, no compile): returns (partial, full),
+    bool arrays [rows, query blocks, key blocks]. A pair is touched when a sample has queries
+    in the one and keys in the other (keys not after queries when causal); full when both
+    blocks lie wholly inside one sample with no pad (and every key before every query when
+    causal), so its mask need not be evaluated. Samples are numbered alike on both sides
+    (T5 cross-attention: encoder sample i against decoder sample i)."""
+    rows = len(q_lengths)
+    nq, nk = -(-sq // block), -(-sk // block)
+    partial = np.zeros((rows, nq, nk), dtype=bool)
+    full = np.zeros((rows, nq, nk), dtype=bool)
+
+    def ranges(lengths, seq, count):
+        """Per block: lowest and highest sample number, and whether it is one pad-free
+        sample filling the whole block."""
+        ids = np.zeros(count * block, dtype=np.int64)
+        total = sum(lengths)
+        ids[:total] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+        per = ids.reshape(count, block)
+        real = per > 0
+        low = np.where(real, per, np.iinfo(np.int64).max).min(axis=1)
+        high = per.max(axis=1)
+        whole = real.all(axis=1) & (low == high)
+        whole[(np.arange(count) + 1) * block > seq] = False
+        return low, high, real.any(axis=1), whole
+
+    qi, kj = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    for r in range(rows):
+        q_low, q_high, q_any, q_whole = ranges(q_lengths[r], sq, nq)
+        k_low, k_high, k_any, k_whole = ranges(k_lengths[r], sk, nk)
+        touched = (q_any[:, None] & k_any[None, :] & (q_low[:, None] <= k_high[None, :])
+                   & (k_low[None, :] <= q_high[:, None]))
+        whole = (q_whole[:, None] & k_whole[None, :] & (q_low[:, None] == k_low[None, :]))
+        if causal:
+            touched &= kj <= qi
+            whole &= kj < qi
+        full[r] = touched & whole
+        partial[r] = touched & ~whole
+    return partial, full
+
+
 def flex_block_mask(mask: AttentionMask, causal: bool, device):
-    """FlexAttention block mask of the document (block-diagonal) mask, from the segment ids."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """FlexAttention block mask of the document (block-diagonal) mask: its block lists come
+    from the samples' lengths on the host (document_blocks), so building it needs neither a
+    compile nor a device sync; only partial blocks evaluate the mask function on the
+    segment ids."""
+    from torch.nn.attention.flex_attention import BlockMask
     q_ids, k_ids = mask.q.ids, mask.k.ids
 
     def document(b, h, q_idx, kv_idx):
         seen = (q_ids[b, q_idx] == k_ids[b, kv_idx]) & (k_ids[b, kv_idx] > 0)
         return (seen & (q_idx >= kv_idx)) if causal else seen
 
-    return create_block_mask(document, B=q_ids.shape[0], H=None, Q_LEN=q_ids.shape[1],
-                             KV_LEN=k_ids.shape[1], device=device, _compile=True)
+    partial, full = document_blocks(mask.q.lengths, mask.k.lengths, mask.q.seq_len,
+                                    mask.k.seq_len, causal)
+
+    def as_lists(blocks):
+        counts = blocks.sum(axis=-1).astype(np.int32)[:, None]          # [rows, 1, nq]
+        # touched key blocks first, in order (argsort is stable on the negated flags)
+        order = np.argsort(~blocks, axis=-1, kind="stable").astype(np.int32)[:, None]
+        return (torch.from_numpy(counts).to(device, non_blocking=True),
+                torch.from_numpy(order).to(device, non_blocking=True))
+
+    kv_num, kv_idx = as_lists(partial)
+    full_num, full_idx = as_lists(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=document,
+                                    seq_lengths=(mask.q.seq_len, mask.k.seq_len))
 
 
 class SDPAttention(DotProductAttention):
