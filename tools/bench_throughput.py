@@ -672,6 +672,7 @@ def target_lines(rows: list[dict], projection: dict | None) -> list[str]:
     """Whether the issue's targets are met, from the figures above."""
     lines = []
     for model, target in (("gpt", 2.0), ("t5", 2.5)):
+        lines += padding_free_lines(rows, model)
         r = next((r for r in rows if r["model"] == model and r["max_len"] == 4096
                   and r["strategy"] == "dynamic" and "speedup_vs_packing" in r), None)
         if r is None:
@@ -684,7 +685,6 @@ def target_lines(rows: list[dict], projection: dict | None) -> list[str]:
                        if x["model"] == model and x["strategy"] == "dynamic"
                        and "speedup_vs_packing" in x)
         grows = all(b[1] >= a[1] for a, b in zip(curve, curve[1:]))
-        lines += padding_free_lines(rows, model)
         lines.append(f"- {model.upper()} speed-up over max length "
                      f"{', '.join(f'{L}: {v:.2f}x' for L, v in curve)} - "
                      f"{'grows with max length' if grows else 'does NOT grow monotonically'}")
@@ -816,8 +816,14 @@ def report_markdown(result: dict, plots: dict) -> str:
         f"{max(s['pp'], s['num_layers'] // 2)} layers, hidden {s['hidden_size']}, "
         f"{s['num_attention_heads']} heads, SentencePiece vocabulary; FLAN-like data from "
         f"tools/make_flan_sample.py; {s['tokens_per_global_batch']:,} tokens per global batch "
-        f"(at least the max length); {s['warmup_iters']} warm-up + {s['iters']} timed iterations "
-        f"(the same global batches for every strategy). T5 decoder max = max(128, L/4).",
+        f"(at least the max length"
+        + (f", at least {s['rows_per_global_batch']} max-length rows"
+           if s.get("rows_per_global_batch") else "")
+        + f"); {s['warmup_iters']} warm-up + {s['iters']} timed iterations "
+        f"(the same global batches for every strategy"
+        + (f"; {s['rounds']} rounds, strategies interleaved, median round shown"
+           if s.get("rounds", 1) > 1 else "")
+        + "). T5 decoder max = max(128, L/4).",
         ("Planning: analytic cost model with this device's figures "
          f"({s['device_flops'] / 1e9:g} GFLOP/s, " if s.get("cost_model", "analytic") ==
          "analytic" else "Planning: the run's profile (--cost-model profile) with ("
@@ -826,13 +832,18 @@ def report_markdown(result: dict, plots: dict) -> str:
         f"{memory_note(rows, s['memory_gib'])}) for "
         "every strategy; schedule 'auto' (faster of 1F1B and adaptive per iteration); recompute "
         "per micro-batch (cheapest that fits). Padding and packing use their best rows per "
-        "micro-batch (power of two, least predicted time); packing is next-fit into rows of "
+        f"micro-batch (power of two, least predicted time); packing is {s['packing_algorithm']}"
+        " into rows of "
         "the max length, attention one SDPA call with the block-diagonal mask built on the "
         "device (megatron/model/attention.py mode 'mask'); packing+segment-attn is the same "
         "packing with only the samples' blocks computed (mode 'segments': FlexAttention on "
         "CUDA; on CPU, where torch 2.13 FlexAttention has no backward and nested-tensor SDPA "
-        "finds no backend, segments grouped by length, one SDPA call per length).",
+        "finds no backend, segments grouped by length, one SDPA call per length). dynamic: "
+        "DynaPipe's micro-batches as packed token streams (--dynamic-layout packed, attention "
+        "per segment as above); dynamic+padded: the paper's rows, one sample each, padded to "
+        "the longest of the micro-batch.",
         "Columns: tokens/s = sample tokens (no pads) / wall time of the timed iterations; "
+        "(min-max over rounds, else over timed iterations); "
         "pad eff = real / padded tokens (T5 encoder/decoder); micro-batches, plan ms (planner "
         "worker time per iteration), plan wait ms (time train_step waited for its plan), "
         "s/iter: medians; peak MiB/rank: peak resident memory (CPU) or allocated (GPU), max "
@@ -1134,7 +1145,7 @@ def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
         "max_position_embeddings": max_pos, "pp": args.pp, "tp": args.tp,
         "tokens_per_global_batch": max(args.tokens_per_global_batch, max_len,
                                        args.rows_per_global_batch * max_len),
-        "rounds": args.rounds,
+        "rounds": args.rounds, "rows_per_global_batch": args.rows_per_global_batch,
         "packing_algorithm": args.packing_algorithm, "pipeline_schedule": args.pipeline_schedule,
         "warmup_iters": args.warmup_iters, "iters": args.iters, "seed": args.seed,
         "data_path": str(Path(args.data_path).resolve()),
