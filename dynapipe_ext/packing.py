@@ -517,8 +517,8 @@ def next_fit_order(rows: list[list[int]], lengths, row_lens, max_depth: int | No
     list their opener first, and a row is opened only for a sample that fits no row open then,
     so of any two rows one may follow the other: a Hamiltonian path of that relation exists
     and is built by insertion (Redei's theorem). Where a pair allows neither order (reference
-    SPFHP's new packs of one length) the row is appended and next-fit may merge it with the
-    one before: fewer rows, every limit still held."""
+    SPFHP's new packs of one length, next-fit's own rows) the row is appended and next-fit may
+    merge it with the one before: fewer rows, every limit still held."""
     arr = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1)
     limits = np.asarray(row_lens, dtype=np.int64).reshape(-1)
     cap = max_depth if max_depth is not None else arr.shape[0] + 1
