@@ -32,6 +32,8 @@ SPECS = {
     "t5": ModelSpec("t5", 2, 32, 4, 128, num_decoder_layers=2, max_position_embeddings=64),
 }
 STYLES = ("padding", "packing", "dynamic")
+# packing with the histogram / pair packers (plain "packing" is next-fit): other rows, same math
+PACKER_STYLES = ("packing-spfhp", "packing-lpfhp", "packing-nnlshp")
 RTOL, LOSS_RTOL, ATOL_FRACTION = 1e-5, 1e-6, 1e-6
 BUCKET_NUMEL = 4096             # several DP buckets per stage, so their order is exercised
 # name -> (processes, tensor parallel, pipeline parallel, schedule)
@@ -81,10 +83,12 @@ def plan_replica(model, style, num_stages, tp, dp, dp_rank, spec=None):
     """This replica's micro-batches from the real planner, with recompute modes cycled."""
     spec = spec or SPECS[model]
     samples = global_batch(model)
+    style, _, packer = style.partition("-")
     config = PlannerConfig(model=model, max_seq_len=MAX_SEQ,
                            max_dec_seq_len=MAX_DEC if model == "t5" else 0,
                            pipeline_stages=num_stages, data_parallel=dp, micro_batch_size=3,
-                           memory_limit_bytes=MEMORY_LIMIT)
+                           memory_limit_bytes=MEMORY_LIMIT,
+                           packing_algorithm=packer or "nextfit")
     cost = AnalyticCostModel(spec, tp=tp, max_seq_len=MAX_SEQ,
                              max_dec_seq_len=MAX_DEC if model == "t5" else None,
                              num_stages=num_stages, half_rate_tokens=1.0)
@@ -151,7 +155,7 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
         if not any(m == model for m, _ in cases):
             continue
         layout = setup_model_parallel(tp, pp, seed=SEED, timeout_s=60)
-        for style in STYLES:
+        for style in STYLES + PACKER_STYLES:
             if (model, style) in cases:
                 results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout,
                                                    dtype, spec_of(model, layout_name))
@@ -203,6 +207,22 @@ def test_parallel_run_equals_single_process_reference(references, layout_name):
     assert not failures, failures
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout_name", ["pp2", "tp2_pp2"])
+def test_packers_runs_equal_single_process_reference(references, layout_name):
+    """Rows of SPFHP / LPFHP / NNLSHP (T5: the pair packers) keep attention within each
+    sample: loss and gradients equal the unpacked reference, as next-fit's rows do."""
+    world_size = LAYOUTS[layout_name][0]
+    cases = [(model, style) for model in SPECS for style in PACKER_STYLES]
+    results = run_in_processes(layout_worker, world_size, (layout_name, cases),
+                               timeout_s=400)[0]
+    assert sorted(results) == sorted(cases)
+    failures = {f"{layout_name}/{model}/{style}": compare(references[model], result)[:5]
+                for (model, style), result in results.items()
+                if compare(references[model], result)}
+    assert not failures, failures
+
+
 def test_compare_flags_a_wrong_gradient_and_loss():
     """The comparison itself is not vacuous: a 1e-4 relative error in one entry is caught."""
     ref = (2.0, {"w": np.linspace(-1, 1, 50, dtype=np.float32)})
@@ -223,6 +243,11 @@ def test_planned_micro_batches_are_varied():
         assert any(mb.is_packed for mb in shapes["packing"]), model
         assert not any(mb.is_packed for mb in shapes["padding"] + shapes["dynamic"]), model
         assert len({(mb.num_rows, mb.seq_len) for mb in shapes["dynamic"]}) > 1, model
+        # the packers' rows differ from next-fit's, so their equivalence cases test other rows
+        rows = {style: sorted(row for mb in plan_replica(model, style, 2, 1, 1, 0)[2]
+                              .micro_batches for row in mb.rows)
+                for style in ("packing",) + PACKER_STYLES}
+        assert all(rows[style] != rows["packing"] for style in PACKER_STYLES), model
 
 
 def dead_peer_worker(rank, world_size):
