@@ -146,6 +146,82 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_timed(paths) -> list[dict]:
+    """Rows of tools/bench_throughput.py result files, one per (model, max length, packer,
+    per batch / windowed): tokens/s, seconds per iteration, real / slots, the load average."""
+    out = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        settings = data["settings"]
+        windowed = "--packing-window" in settings.get("train_args", [])
+        for row in data["rows"]:
+            out.append({"model": row["model"], "max_len": row["max_len"],
+                        "packer": settings["packing_algorithm"],
+                        "mode": "windowed" if windowed else "per batch",
+                        "strategy": row["strategy"], "tokens_per_s": row.get("tokens_per_s"),
+                        "iteration_s": row.get("iteration_s"),
+                        "real_over_slots": [row.get("padding_efficiency_enc"),
+                                            row.get("padding_efficiency_dec")],
+                        "shapes": row.get("shapes"), "error": row.get("error"),
+                        "load_average_end": data.get("load_average_end"),
+                        "date": data.get("date"), "commit": data.get("commit"),
+                        "settings": {k: settings[k] for k in (
+                            "num_layers", "hidden_size", "pp", "tokens_per_global_batch",
+                            "warmup_iters", "iters", "train_args")}})
+    return out
+
+
+def packed_rows(shapes: str) -> int | None:
+    """Rows of one iteration from its shapes summary ('5*1x2048', '2*2x512/128 1x512/128');
+    None when the summary is cut short ('(+N more)')."""
+    if "more)" in shapes:
+        return None
+    total = 0
+    for part in shapes.split():
+        count, _, shape = part.rpartition("*")
+        total += int(count or 1) * int(shape.split("x")[0])
+    return total
+
+
+def timed_markdown(timed: list[dict]) -> str:
+    """Tokens/s of short training runs per packer, per batch and windowed."""
+    if not timed:
+        return ""
+    by = {(t["model"], t["max_len"], t["packer"], t["mode"]): t for t in timed}
+    s = timed[0]["settings"]
+    loads = [t["load_average_end"][0] for t in timed if t.get("load_average_end")]
+    lines = ["", "Timed in training (`tools/bench_throughput.py --strategies "
+             f"packing+segment-attn --packing-algorithm P [--train-args '--packing-window "
+             f"N']`, CPU, 2 ranks, PP={s['pp']}, {s['num_layers']} layers (T5: half each "
+             f"side), hidden {s['hidden_size']}, {s['tokens_per_global_batch']:,} tokens per "
+             f"global batch, {s['warmup_iters']} warm-up + {s['iters']} timed iterations per "
+             f"run). The machine's 2 cores were shared with other work: load average "
+             f"{min(loads):.1f}-{max(loads):.1f} at the ends of the runs, so tokens/s differ by "
+             f"tens of percent between repeats of one setting; read the rows per batch and "
+             f"real / slots (of the 3 timed batches), not small tokens/s gaps.", "",
+             "Rows: packed rows of each timed global batch.", "",
+             "| model | max len | packer | per batch tokens/s | s/iter | rows | real/slots | "
+             "windowed tokens/s | s/iter | rows | real/slots |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|"]
+    keys = sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1], PACKERS.index(k[2])
+                                                      if k[2] in PACKERS else 99))
+    for model, max_len, packer in keys:
+        cells = []
+        for mode in ("per batch", "windowed"):
+            t = by.get((model, max_len, packer, mode))
+            if t is None or t.get("error") or t.get("tokens_per_s") is None:
+                cells += ["-", "-", "-", "-"]
+                continue
+            its = t["iteration_s"]
+            eff = [x for x in t["real_over_slots"] if x is not None]
+            rows = [packed_rows(shape) for shape in t["shapes"] or []]
+            cells += [f"{t['tokens_per_s']:,.0f}", f"{min(its):.2f}-{max(its):.2f}",
+                      " ".join("?" if r is None else str(r) for r in rows) or "-",
+                      " / ".join(f"{x:.2f}" for x in eff)]
+        lines.append(f"| {model} | {max_len} | {packer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,16 +240,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--markdown", default=None, help="write the `packers` section here")
     parser.add_argument("--command", default=None, help="command line shown in the docs")
+    parser.add_argument("--timed", nargs="*", default=[],
+                        help="tools/bench_throughput.py result files of packing runs, one "
+                             "packer each, with or without --train-args '--packing-window N'")
     args = parser.parse_args(argv)
     result = measure(args.data_path, args.models, args.max_lengths, args.tokens_per_global_batch,
                      args.packing_window, args.seed, args.max_pack_depth, args.epochs)
+    result["timed"] = load_timed(args.timed)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     if args.markdown:
         command = args.command or "python tools/bench_packers.py " + " ".join(
             argv if argv is not None else sys.argv[1:])
         write_section(args.markdown, "packers", "Packers: per batch and dataset-level",
-                      markdown(result, command))
+                      markdown(result, command) + timed_markdown(result["timed"]))
     return result
 
 

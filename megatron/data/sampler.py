@@ -243,7 +243,8 @@ class GlobalBatchSampler:
             return self._window_cache[window]
         size = self.packing.samples
         ids = self.stream(window * size, size)
-        rows = self.packing.pack(self.lengths[ids])
+        window_lengths = self.lengths[ids]
+        rows = self.packing.pack(window_lengths)
         rng = np.random.default_rng([self.seed, 2, window])
         rows = [rows[k] for k in rng.permutation(len(rows))]
         row_costs = np.array([int(self.costs[ids[row]].sum()) for row in rows])
@@ -254,7 +255,7 @@ class GlobalBatchSampler:
             cum = np.cumsum(row_costs[first:])
             last = first + max(1, int(np.searchsorted(cum, self.tokens_per_global_batch,
                                                       side="right")))
-            batch = next_fit_order(rows[first:last], self.lengths[ids],
+            batch = next_fit_order(rows[first:last], window_lengths,
                                    self.packing.row_lengths, self.packing.max_depth)
             order.extend(i for row in batch for i in row)
             starts.append(len(order))
