@@ -384,3 +384,14 @@ def test_spfhp_reproduces_reference_pack_counts(name, depth):
     grouped = pack_histogram(hist, data["max_len"], "spfhp-grouped", depth)
     assert grouped.packs < REFERENCE_SPFHP_PACKS[(name, depth)]
     assert np.array_equal(grouped.histogram(), hist)
+
+
+def test_histogram_packer_table_shows_nnlshp_and_refusals():
+    from tools.bench_planner import HISTOGRAM_PACKERS, packing_markdown
+    rows = [dict(name="toy", depth=3, algorithm=a, packs=10 + k, efficiency=0.9 + k / 100)
+            for k, a in enumerate(HISTOGRAM_PACKERS)]
+    rows += [dict(name="toy", depth=16, algorithm=a, packs=None if a == "nnlshp" else 9,
+                  efficiency=None if a == "nnlshp" else 0.99) for a in HISTOGRAM_PACKERS]
+    text = packing_markdown(rows)
+    assert "| toy | 3 | 10 | 11 | 12 | 13 | 0.9000 / 0.9100 / 0.9200 / 0.9300 |" in text
+    assert "| toy | 16 | 9 | 9 | 9 | - | 0.9900 / 0.9900 / 0.9900 / - |" in text
