@@ -42,7 +42,8 @@ def test_every_packer_per_batch_and_windowed(dataset, tmp_path):
         "rows": [{"model": "gpt", "max_len": 512, "strategy": "packing+segment-attn",
                   "tokens_per_s": 1234.5, "iteration_s": [1.0, 1.5, 1.2],
                   "padding_efficiency_enc": 0.97, "padding_efficiency_dec": None,
-                  "shapes": ["4*1x512", "2*2x512", "3*1x512"]}]}))
+                  "shapes": ["4*1x512", "2*2x512", "3*1x512"], "real_tokens": 4000,
+                  "executor_cpu_s_per_rank": [1.0, 2.0]}]}))
     result = main(["--data-path", dataset, "--max-lengths", "512",
                    "--tokens-per-global-batch", "2048", "8192", "--json-out",
                    str(tmp_path / "out.json"), "--markdown", str(doc), "--timed", str(timed)])
@@ -61,7 +62,7 @@ def test_every_packer_per_batch_and_windowed(dataset, tmp_path):
     assert text.startswith("# Benchmarks\n\n## Other\nkept\n")
     assert "<!-- packers:start -->" in text and "| gpt | 512 | nnlshp |" in text
     assert "| t5 | 512 | lpfhp |" in text
-    assert "| gpt | 512 | lpfhp | - | - | - | - | 1,234 | 1.00-1.50 | 4 4 3 | 0.97 |" in text
+    assert "| gpt | 512 | lpfhp | - | - | - | - | 1,234 | 2,000 | 4 4 3 | 0.97 |" in text
 
 
 def test_packed_rows_of_a_shapes_summary():

@@ -163,6 +163,8 @@ def load_timed(paths) -> list[dict]:
                         "real_over_slots": [row.get("padding_efficiency_enc"),
                                             row.get("padding_efficiency_dec")],
                         "shapes": row.get("shapes"), "error": row.get("error"),
+                        "real_tokens": row.get("real_tokens"),
+                        "executor_cpu_s_per_rank": row.get("executor_cpu_s_per_rank"),
                         "load_average_end": data.get("load_average_end"),
                         "date": data.get("date"), "commit": data.get("commit"),
                         "settings": {k: settings[k] for k in (
@@ -196,12 +198,13 @@ def timed_markdown(timed: list[dict]) -> str:
              f"side), hidden {s['hidden_size']}, {s['tokens_per_global_batch']:,} tokens per "
              f"global batch, {s['warmup_iters']} warm-up + {s['iters']} timed iterations per "
              f"run). The machine's 2 cores were shared with other work: load average "
-             f"{min(loads):.1f}-{max(loads):.1f} at the ends of the runs, so tokens/s differ by "
-             f"tens of percent between repeats of one setting; read the rows per batch and "
-             f"real / slots (of the 3 timed batches), not small tokens/s gaps.", "",
-             "Rows: packed rows of each timed global batch.", "",
-             "| model | max len | packer | per batch tokens/s | s/iter | rows | real/slots | "
-             "windowed tokens/s | s/iter | rows | real/slots |",
+             f"{min(loads):.1f}-{max(loads):.1f} at the ends of the runs, so wall-clock tokens/s "
+             f"are noise at this scale (tens of percent between like runs). CPU tokens/s "
+             f"(real tokens / executor CPU seconds of the busiest rank, which a descheduled "
+             f"process does not accrue) is the steadier figure; rows: packed rows of each "
+             f"timed global batch; real / slots of those batches.", "",
+             "| model | max len | packer | per batch tokens/s | CPU tokens/s | rows | real/slots "
+             "| windowed tokens/s | CPU tokens/s | rows | real/slots |",
              "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|"]
     keys = sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1], PACKERS.index(k[2])
                                                       if k[2] in PACKERS else 99))
@@ -212,10 +215,12 @@ def timed_markdown(timed: list[dict]) -> str:
             if t is None or t.get("error") or t.get("tokens_per_s") is None:
                 cells += ["-", "-", "-", "-"]
                 continue
-            its = t["iteration_s"]
             eff = [x for x in t["real_over_slots"] if x is not None]
             rows = [packed_rows(shape) for shape in t["shapes"] or []]
-            cells += [f"{t['tokens_per_s']:,.0f}", f"{min(its):.2f}-{max(its):.2f}",
+            cpu = t.get("executor_cpu_s_per_rank")
+            cpu_rate = (f"{t['real_tokens'] / max(cpu):,.0f}" if cpu and max(cpu) > 0
+                        and t.get("real_tokens") else "-")
+            cells += [f"{t['tokens_per_s']:,.0f}", cpu_rate,
                       " ".join("?" if r is None else str(r) for r in rows) or "-",
                       " / ".join(f"{x:.2f}" for x in eff)]
         lines.append(f"| {model} | {max_len} | {packer} | " + " | ".join(cells) + " |")
