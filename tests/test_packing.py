@@ -280,9 +280,11 @@ def test_next_fit_order_puts_a_row_after_one_it_cannot_merge_into():
 
 
 def test_nnlshp_refuses_a_system_too_big_to_solve():
-    lengths = np.arange(1, 2049)
+    lengths = np.arange(100, 2049, 2)    # 64,558 exact-fill triples over 975 lengths
     with pytest.raises(ValueError, match="too big to solve here.*--max-pack-depth"):
         pack_sequences(lengths, 2048, "nnlshp", 3)
+    with pytest.raises(ValueError, match="more than 100000 pack strategies.*--max-pack-depth"):
+        pack_sequences(np.arange(1, 2049), 2048, "nnlshp", 3)
 
 
 def test_pack_histogram_tool_prints_json(tmp_path):
