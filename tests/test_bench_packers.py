@@ -61,7 +61,7 @@ def test_every_packer_per_batch_and_windowed(dataset, tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\n## Other\nkept\n")
     assert "<!-- packers:start -->" in text and "| gpt | 512 | nnlshp |" in text
-    assert "| t5 | 512 | lpfhp |" in text
+    assert "| t5 | 512 | lpfhp |" in text and "- GPT 512: best windowed `" in text
     assert "| gpt | 512 | lpfhp | - | - | - | - | 1,234 | 2,000 | 4 4 3 | 0.97 |" in text
 
 

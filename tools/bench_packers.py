@@ -139,6 +139,23 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {r['model']} | {r['max_len']} | {r['packer']} | "
                      + " | ".join(cell(r["per_batch"][str(b)]) for b in budgets)
                      + f" | {cell(w)} | {w.get('rows', '-')} | {w.get('seconds', '-')} |")
+    lines.append("")
+    for model, max_len in dict.fromkeys((r["model"], r["max_len"]) for r in result["rows"]):
+        here = [r for r in result["rows"] if (r["model"], r["max_len"]) == (model, max_len)]
+        ok = [r for r in here if "error" not in r["windowed"]]
+        best = max(ok, key=lambda r: r["windowed"]["real_over_slots"][0], default=None)
+        per = max(here, key=lambda r: r["per_batch"][str(budgets[0])]["real_over_slots"][0])
+        nf = next(r for r in here if r["packer"] == "nextfit")
+        if best is None:
+            continue
+        text = (f"- {model.upper()} {max_len}: best windowed `{best['packer']}` "
+                f"{cell(best['windowed'])}; best per batch of {budgets[0]:,} tokens "
+                f"`{per['packer']}` {cell(per['per_batch'][str(budgets[0])])}; next-fit per "
+                f"batch {cell(nf['per_batch'][str(budgets[0])])}")
+        if model == "gpt" and max_len == 2048:
+            met = best["windowed"]["real_over_slots"][0] >= 0.97
+            text += f" (target windowed >= 0.97: {'met' if met else 'NOT met'})"
+        lines.append(text + ".")
     refused = [r for r in result["rows"] if "error" in r["windowed"]]
     for r in refused:
         lines.append(f"\n{r['model']} {r['max_len']} {r['packer']} windowed: "
