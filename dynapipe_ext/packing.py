@@ -6,7 +6,12 @@ length that opened it, which never made more packs on the public histograms.
 Histogram packers work on `hist`, an int array where hist[L] is the number of sequences of
 length L (hist[0] must be 0, len(hist) - 1 <= row_len). They return *strategies*: a pack (a tuple
 of lengths, longest first) and how many packs of that kind to build. The sample-level functions
-map strategies back to concrete sample ids deterministically."""
+map strategies back to concrete sample ids deterministically.
+
+T5 samples are (encoder, decoder) pairs: `pack_pairs` packs them with both row lengths held, as a
+2-D bin problem (SPFHP / LPFHP) or by NNLS on the dominant side with a check on the other
+(NNLSHP). `next_fit_order` orders packed rows so that next-fit over them rebuilds them (how
+dataset-level packing hands its rows to the per-batch planner)."""
 from __future__ import annotations
 
 import bisect
@@ -421,11 +426,10 @@ def _pair_nnls(enc: np.ndarray, dec: np.ndarray, enc_row_len: int, dec_row_len: 
                max_depth: int | None) -> list[list[int]]:
     """NNLSHP on pairs: NNLS over the histogram of the dominant side (the one whose tokens fill
     more rows, sum / row length) picks exact-fill packs for that side (_nnls_exact_fill). Each
-    pack is then filled with concrete samples, part by part, taking the sample of that length
-    with the longest other side that still leaves room for the shortest available other
-    sides of the parts to come; a pack that cannot be filled within the other side's limit is
-    given up with the packs of its kind still unbuilt. Every sample not in an exact-fill pack is
-    packed by the pair SPFHP (_pair_fit)."""
+    pack is then filled with concrete samples of its lengths whose other sides fit their row
+    (_fill_exact_pack); where even the shortest other sides do not fit, the packs of that kind
+    still unbuilt are given up. Every sample not in an exact-fill pack is packed by the pair
+    SPFHP (_pair_fit)."""
     depth = max_depth if max_depth is not None else NNLS_DEFAULT_DEPTH
     enc_side = enc.sum() * dec_row_len >= dec.sum() * enc_row_len
     main, other = (enc, dec) if enc_side else (dec, enc)
