@@ -127,7 +127,12 @@ def markdown(result: dict, command: str) -> str:
         f"{budgets[0]:,} tokens take whole rows, and the planner's next-fit rebuilds them "
         "(megatron/data/sampler.py). `nextfit` windowed is next-fit over the stream, whose "
         "rows the batches then take whole. T5 `spfhp` / `lpfhp` / `nnlshp` are the pair "
-        "packers (dynapipe_ext/packing.py `pack_pairs`).",
+        "packers (dynapipe_ext/packing.py `pack_pairs`). Windowed batches hold whole rows, so "
+        "where a row holds more than half a batch's tokens (T5 at 4096: rows of up to 5,120 "
+        "tokens) a batch holds one row and carries fewer tokens than a batch packed alone. On "
+        "small batches (8,192 tokens, a few rows) the 2-D pair packers gain little over "
+        "next-fit and lose to it on some batches; with 65,536-token batches or a window they "
+        "need fewer rows than next-fit (the table's windowed rows).",
         "",
         "| model | max len | packer | "
         + " | ".join(f"per batch {b:,}" for b in budgets)
@@ -225,6 +230,16 @@ def timed_markdown(timed: list[dict]) -> str:
              "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|"]
     keys = sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1], PACKERS.index(k[2])
                                                       if k[2] in PACKERS else 99))
+    summary = []
+    for model, max_len in dict.fromkeys(k[:2] for k in keys):
+        rates = {(p, mode): cpu_tokens_per_s(t) for (m, L, p, mode), t in by.items()
+                 if (m, L) == (model, max_len)}
+        base = rates.get(("nextfit", "per batch"))
+        best = max((k for k in rates if rates[k]), key=lambda k: rates[k], default=None)
+        if base and best:
+            summary.append(f"- {model.upper()} {max_len}: CPU tokens/s next-fit per batch "
+                           f"{base:,.0f}, best `{best[0]}` {best[1]} {rates[best]:,.0f} "
+                           f"({rates[best] / base:.2f}x).")
     for model, max_len, packer in keys:
         cells = []
         for mode in ("per batch", "windowed"):
@@ -234,14 +249,21 @@ def timed_markdown(timed: list[dict]) -> str:
                 continue
             eff = [x for x in t["real_over_slots"] if x is not None]
             rows = [packed_rows(shape) for shape in t["shapes"] or []]
-            cpu = t.get("executor_cpu_s_per_rank")
-            cpu_rate = (f"{t['real_tokens'] / max(cpu):,.0f}" if cpu and max(cpu) > 0
-                        and t.get("real_tokens") else "-")
+            rate = cpu_tokens_per_s(t)
+            cpu_rate = "-" if rate is None else f"{rate:,.0f}"
             cells += [f"{t['tokens_per_s']:,.0f}", cpu_rate,
                       " ".join("?" if r is None else str(r) for r in rows) or "-",
                       " / ".join(f"{x:.2f}" for x in eff)]
         lines.append(f"| {model} | {max_len} | {packer} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + summary) + "\n"
+
+
+def cpu_tokens_per_s(t: dict) -> float | None:
+    """Real tokens per executor CPU second of the busiest rank of a timed run."""
+    cpu = t.get("executor_cpu_s_per_rank")
+    if t.get("error") or not cpu or max(cpu) <= 0 or not t.get("real_tokens"):
+        return None
+    return t["real_tokens"] / max(cpu)
 
 
 def main(argv=None) -> dict:
