@@ -76,17 +76,20 @@ class BatchPlan:
 
 def packed_cost_shape(enc_slots, enc_square, dec_slots=0.0):
     """(rows, seq_len, dec_seq_len) of the padded rectangle that costs what packed samples cost:
-    `enc_slots` token slots (real tokens plus the alignment pad) whose attention works on
-    `enc_square` = sum of the samples' squared lengths. rows * seq_len = slots and
-    rows * seq_len^2 = sum l_i^2, so a cost model's token-linear terms (matmuls, kept bytes,
-    logits) see the slots and its attention terms the per-sample work, never a row's S^2.
-    T5: the decoder side shares the rows, dec_seq_len = dec_slots / rows (its self- and
-    cross-attention are then exact for samples of equal shape and close for the similar
-    shapes a planner groups). Vectorised; rows >= 1 and seq_len <= the longest sample."""
+    `enc_slots` token slots (real tokens plus pads) whose attention works on `enc_square` = sum
+    of the samples' squared lengths. rows * seq_len = slots and rows * seq_len^2 = sum l_i^2,
+    so a cost model's token-linear terms (matmuls, kept bytes, logits) see the slots and its
+    attention terms the per-sample work, never a row's S^2. T5: the decoder side shares the
+    rows, dec_seq_len = dec_slots / rows (its self- and cross-attention are then exact for
+    samples of equal shape and close for the similar shapes a planner groups). Lengths stay at
+    least 1 (rows at most the slots of either side: a stream mostly of pads keeps its linear
+    work and is charged a little more attention than it does). Vectorised."""
     slots = np.asarray(enc_slots, dtype=np.float64)
+    dec = np.asarray(dec_slots, dtype=np.float64)
     square = np.maximum(np.asarray(enc_square, dtype=np.float64), 1.0)
-    rows = slots * slots / square
-    return rows, square / slots, np.asarray(dec_slots, dtype=np.float64) / rows
+    most = np.where(dec > 0, np.minimum(slots, dec), slots)
+    rows = np.clip(slots * slots / square, 1.0, np.maximum(most, 1.0))
+    return rows, slots / rows, dec / rows
 
 
 def as_lengths(lengths: Sequence, model: str) -> np.ndarray:

@@ -6,9 +6,15 @@ length that opened it, which never made more packs on the public histograms.
 Histogram packers work on `hist`, an int array where hist[L] is the number of sequences of
 length L (hist[0] must be 0, len(hist) - 1 <= row_len). They return *strategies*: a pack (a tuple
 of lengths, longest first) and how many packs of that kind to build. The sample-level functions
-map strategies back to concrete sample ids deterministically."""
+map strategies back to concrete sample ids deterministically.
+
+T5 samples are (encoder, decoder) pairs: `pack_pairs` packs them with both row lengths held, as a
+2-D bin problem (SPFHP / LPFHP) or by NNLS on the dominant side with a check on the other
+(NNLSHP). `next_fit_order` orders packed rows so that next-fit over them rebuilds them (how
+dataset-level packing hands its rows to the per-batch planner)."""
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,6 +23,8 @@ import numpy as np
 ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 HISTOGRAM_ALGORITHMS = ("spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 NNLS_MAX_STRATEGIES = 100_000   # beyond this the dense NNLS system gets too big to solve quickly
+NNLS_MAX_ENTRIES = 30_000_000   # lengths x strategies of the dense NNLS matrix (240 MB)
+NNLS_DEFAULT_DEPTH = 3          # Krell et al.'s depth for NNLSHP when none is given
 
 
 @dataclass(frozen=True)
@@ -206,53 +214,63 @@ def _exact_fill_strategies(parts: list[int], row_len: int, max_depth: int) -> li
             if len(out) > NNLS_MAX_STRATEGIES:
                 raise ValueError(f"NNLSHP: more than {NNLS_MAX_STRATEGIES} pack strategies at "
                                  f"depth {max_depth} for row length {row_len}; use a smaller "
-                                 f"--max-depth or SPFHP")
+                                 f"--max-pack-depth or SPFHP")
 
     extend((), row_len, row_len, max_depth)
     return out
 
 
-def _nnls_histogram(hist: np.ndarray, row_len: int, max_depth: int | None) -> Counter:
-    """NNLSHP: choose repeat counts of exact-fill packs by non-negative least squares against the
-    histogram (residuals weighted by length, i.e. in tokens), round down, take back packs where
-    rounding still over-uses a length, and pack what is left with SPFHP."""
+def _nnls_exact_fill(hist: np.ndarray, row_len: int, depth: int) -> tuple[Counter, np.ndarray]:
+    """NNLSHP's first step: repeat counts of exact-fill packs (lengths summing to `row_len`, at
+    most `depth` of them) chosen by non-negative least squares against the histogram
+    (residuals weighted by length, i.e. in tokens), rounded down, with packs taken back where
+    rounding still over-uses a length. Returns (packs, histogram of what is left)."""
     from scipy.optimize import nnls
 
-    depth = max_depth if max_depth is not None else 3
     present = [int(x) for x in np.flatnonzero(hist)]
     done: Counter = Counter()
     if not present:
-        return done
+        return done, hist.copy()
     strategies = _exact_fill_strategies(present, row_len, depth)
-    counts = np.zeros(len(strategies), dtype=np.int64)
-    if strategies:
-        row_of = {length: i for i, length in enumerate(present)}
-        uses = np.zeros((len(present), len(strategies)), dtype=np.float64)
-        for j, pack in enumerate(strategies):
-            for length in pack:
-                uses[row_of[length], j] += 1
-        weight = np.asarray(present, dtype=np.float64)
-        target = hist[present].astype(np.float64)
-        solution, _ = nnls(uses * weight[:, None], target * weight, maxiter=50 * len(strategies))
-        counts = np.floor(solution + 1e-9).astype(np.int64)
-        uses_int = uses.astype(np.int64)
-        residual = hist[present] - uses_int @ counts
-        # repair: where rounding left a length over-used, drop packs using it (biggest count first)
-        for i in np.flatnonzero(residual < 0):
-            users = [j for j in np.flatnonzero(uses_int[i]) if counts[j] > 0]
-            users.sort(key=lambda j: (-counts[j], strategies[j]))
-            for j in users:
-                if residual[i] >= 0:
-                    break
-                drop = min(int(counts[j]), -(int(residual[i]) // int(uses_int[i, j])))
-                counts[j] -= drop
-                residual += uses_int[:, j] * drop
-        for j in np.flatnonzero(counts):
-            done[strategies[j]] += int(counts[j])
-        left = np.zeros_like(hist)
-        left[present] = residual
-    else:
-        left = hist.copy()
+    if not strategies:
+        return done, hist.copy()
+    if len(present) * len(strategies) > NNLS_MAX_ENTRIES:
+        raise ValueError(f"NNLSHP: {len(strategies)} pack strategies over {len(present)} "
+                         f"lengths at depth {depth} for row length {row_len} make an NNLS "
+                         f"system too big to solve here; use a smaller --max-pack-depth, or "
+                         f"SPFHP / LPFHP")
+    row_of = {length: i for i, length in enumerate(present)}
+    uses = np.zeros((len(present), len(strategies)), dtype=np.float64)
+    for j, pack in enumerate(strategies):
+        for length in pack:
+            uses[row_of[length], j] += 1
+    weight = np.asarray(present, dtype=np.float64)
+    target = hist[present].astype(np.float64)
+    solution, _ = nnls(uses * weight[:, None], target * weight, maxiter=50 * len(strategies))
+    counts = np.floor(solution + 1e-9).astype(np.int64)
+    uses_int = uses.astype(np.int64)
+    residual = hist[present] - uses_int @ counts
+    # repair: where rounding left a length over-used, drop packs using it (biggest count first)
+    for i in np.flatnonzero(residual < 0):
+        users = [j for j in np.flatnonzero(uses_int[i]) if counts[j] > 0]
+        users.sort(key=lambda j: (-counts[j], strategies[j]))
+        for j in users:
+            if residual[i] >= 0:
+                break
+            drop = min(int(counts[j]), -(int(residual[i]) // int(uses_int[i, j])))
+            counts[j] -= drop
+            residual += uses_int[:, j] * drop
+    for j in np.flatnonzero(counts):
+        done[strategies[j]] += int(counts[j])
+    left = np.zeros_like(hist)
+    left[present] = residual
+    return done, left
+
+
+def _nnls_histogram(hist: np.ndarray, row_len: int, max_depth: int | None) -> Counter:
+    """NNLSHP: exact-fill packs by NNLS (_nnls_exact_fill), the rest packed with SPFHP."""
+    depth = max_depth if max_depth is not None else NNLS_DEFAULT_DEPTH
+    done, left = _nnls_exact_fill(hist, row_len, depth)
     done.update(_fit_histogram(left, row_len, max_depth, worst_fit=True))
     return done
 
@@ -333,17 +351,8 @@ def pack_sequences(lengths: np.ndarray, row_len: int, algorithm: str = "nextfit"
     return assign_samples(pack_histogram(hist, row_len, algorithm, max_depth), arr)
 
 
-def pack_pairs(enc_lengths, dec_lengths, enc_row_len: int, dec_row_len: int,
-               algorithm: str = "nextfit", max_depth: int | None = None) -> list[list[int]]:
-    """T5 packing: rows of sample ids whose encoder lengths fit `enc_row_len` and decoder lengths
-    fit `dec_row_len` (both sides, same samples). Only next-fit, in the given order."""
-    _check_algorithm(algorithm, ("nextfit",))
-    enc_row_len, dec_row_len = _check_row_len(enc_row_len), _check_row_len(dec_row_len)
-    max_depth = _check_depth(max_depth)
-    enc = check_lengths(enc_lengths, enc_row_len, what="sample (encoder)")
-    dec = check_lengths(dec_lengths, dec_row_len, what="sample (decoder)")
-    if enc.shape != dec.shape:
-        raise ValueError(f"{enc.size} encoder lengths but {dec.size} decoder lengths")
+def _pair_next_fit(enc: np.ndarray, dec: np.ndarray, enc_row_len: int, dec_row_len: int,
+                   max_depth: int | None) -> list[list[int]]:
     rows: list[list[int]] = []
     current: list[int] = []
     used_enc = used_dec = 0
@@ -359,6 +368,180 @@ def pack_pairs(enc_lengths, dec_lengths, enc_row_len: int, dec_row_len: int,
     if current:
         rows.append(current)
     return rows
+
+
+def _pair_fit(enc: np.ndarray, dec: np.ndarray, ids: np.ndarray, enc_row_len: int,
+              dec_row_len: int, max_depth: int | None, worst_fit: bool) -> list[list[int]]:
+    """SPFHP (worst fit) / LPFHP (best fit) on (encoder, decoder) pairs, as 2-D bin packing.
+    Sizes and rooms are measured on each side as a share of that side's row length. Samples
+    `ids` go largest first (by their larger share; ties: longer encoder, longer decoder, lower
+    id), each into an open row where both sides fit: worst fit takes the row whose tighter side
+    keeps the most room (most room for what comes, as SPFHP), best fit the row with the least
+    room left on both sides together (as LPFHP). A sample that fits no open row opens a new
+    one; a row closes when it holds max_depth samples. Rows list their samples in placement
+    order (the opener first). Of the variants tried on the FLAN-like sample (order by the sum
+    or the larger share or the encoder; room by the sum, the tighter or the looser side or the
+    encoder) these packed into the fewest rows."""
+    if ids.size == 0:
+        return []
+    e_all, d_all = enc[ids], dec[ids]
+    size = np.maximum(e_all * dec_row_len, d_all * enc_row_len)   # larger share x both limits
+    order = ids[np.lexsort((ids, -d_all, -e_all, -size))]
+    cap = max_depth if max_depth is not None else ids.size + 1
+    # open rows, compacted now and then: room on each side, depth, row index
+    room_e = np.empty(0, dtype=np.int64)
+    room_d = np.empty(0, dtype=np.int64)
+    depth = np.empty(0, dtype=np.int64)
+    row_of = np.empty(0, dtype=np.int64)
+    rows: list[list[int]] = []
+    # the smallest encoder / decoder length still to come: rows with less room are done
+    rest_e = np.minimum.accumulate(enc[order][::-1])[::-1]
+    rest_d = np.minimum.accumulate(dec[order][::-1])[::-1]
+    for k, i in enumerate(order.tolist()):
+        e, d = int(enc[i]), int(dec[i])
+        if k % 64 == 0 and row_of.size:
+            keep = (room_e >= rest_e[k]) & (room_d >= rest_d[k]) & (depth < cap)
+            room_e, room_d, depth, row_of = room_e[keep], room_d[keep], depth[keep], row_of[keep]
+        fits = np.flatnonzero((room_e >= e) & (room_d >= d) & (depth < cap))
+        if fits.size:
+            left_e, left_d = (room_e[fits] - e) * dec_row_len, (room_d[fits] - d) * enc_row_len
+            if worst_fit:
+                j = int(fits[np.argmax(np.minimum(left_e, left_d))])
+            else:
+                j = int(fits[np.argmin(left_e + left_d)])
+            room_e[j] -= e
+            room_d[j] -= d
+            depth[j] += 1
+            rows[int(row_of[j])].append(i)
+        else:
+            rows.append([i])
+            room_e = np.append(room_e, enc_row_len - e)
+            room_d = np.append(room_d, dec_row_len - d)
+            depth = np.append(depth, 1)
+            row_of = np.append(row_of, len(rows) - 1)
+    return rows
+
+
+def _pair_nnls(enc: np.ndarray, dec: np.ndarray, enc_row_len: int, dec_row_len: int,
+               max_depth: int | None) -> list[list[int]]:
+    """NNLSHP on pairs: NNLS over the histogram of the dominant side (the one whose tokens fill
+    more rows, sum / row length) picks exact-fill packs for that side (_nnls_exact_fill). Each
+    pack is then filled with concrete samples of its lengths whose other sides fit their row
+    (_fill_exact_pack); where even the shortest other sides do not fit, the packs of that kind
+    still unbuilt are given up. Every sample not in an exact-fill pack is packed by the pair
+    SPFHP (_pair_fit)."""
+    depth = max_depth if max_depth is not None else NNLS_DEFAULT_DEPTH
+    enc_side = enc.sum() * dec_row_len >= dec.sum() * enc_row_len
+    main, other = (enc, dec) if enc_side else (dec, enc)
+    main_len, other_len = (enc_row_len, dec_row_len) if enc_side else (dec_row_len, enc_row_len)
+    packs, _ = _nnls_exact_fill(np.bincount(main, minlength=main_len + 1), main_len, depth)
+    # per main length: sample ids sorted by (other length, id), as a list of (other, id)
+    pools: dict[int, list[tuple[int, int]]] = {}
+    for i in np.lexsort((np.arange(main.size), other, main)).tolist():
+        pools.setdefault(int(main[i]), []).append((int(other[i]), i))
+    rows: list[list[int]] = []
+    for pack, count in sorted(packs.items(), key=lambda pc: (-pc[1], pc[0])):
+        for _ in range(count):
+            row = _fill_exact_pack(pack, pools, other_len)
+            if row is None:
+                break
+            rows.append(row)
+    placed = np.zeros(main.size, dtype=bool)
+    for row in rows:
+        placed[row] = True
+    rows.extend(_pair_fit(enc, dec, np.flatnonzero(~placed), enc_row_len, dec_row_len,
+                          max_depth, worst_fit=True))
+    return rows
+
+
+def _fill_exact_pack(pack: tuple[int, ...], pools: dict[int, list[tuple[int, int]]],
+                     other_len: int) -> list[int] | None:
+    """Sample ids for one exact-fill pack of main-side lengths `pack` whose other sides fit
+    `other_len`, taken out of `pools` (per main length, (other length, id) ascending); None,
+    pools unchanged, when even the shortest other sides do not fit. Starts from the shortest
+    other sides, then lets each part in turn take the longest other side that still fits, so
+    that long other sides are used here rather than left over."""
+    need = Counter(pack)
+    if any(len(pools.get(length, ())) < n for length, n in need.items()):
+        return None
+    chosen: list[tuple[int, int]] = []         # per part: (other, id)
+    seen: Counter = Counter()
+    for length in pack:
+        chosen.append(pools[length][seen[length]])
+        seen[length] += 1
+    slack = other_len - sum(o for o, _ in chosen)
+    if slack < 0:
+        return None
+    for k, length in enumerate(pack):
+        pool, current = pools[length], chosen[k]
+        in_use = {c for m, c in zip(pack, chosen) if m == length}
+        pos = bisect.bisect_right(pool, (current[0] + slack, np.iinfo(np.int64).max)) - 1
+        while pos >= 0 and pool[pos] in in_use and pool[pos] != current:
+            pos -= 1
+        if pos >= 0 and pool[pos][0] > current[0]:
+            slack -= pool[pos][0] - current[0]
+            chosen[k] = pool[pos]
+    for length, item in zip(pack, chosen):
+        pools[length].remove(item)
+    return [i for _, i in chosen]
+
+
+def pack_pairs(enc_lengths, dec_lengths, enc_row_len: int, dec_row_len: int,
+               algorithm: str = "nextfit", max_depth: int | None = None) -> list[list[int]]:
+    """T5 packing: rows of sample ids whose encoder lengths fit `enc_row_len` and decoder lengths
+    fit `dec_row_len` (both sides, same samples), at most `max_depth` samples a row; every
+    sample exactly once. `nextfit` keeps the given order. The others pack the pairs as a 2-D
+    bin problem: `spfhp` worst fit and `lpfhp` best fit, longest pairs first (_pair_fit;
+    `spfhp-grouped` is `spfhp` here: equal pairs are rare, so no grouping); `nnlshp` chooses
+    exact-fill packs of the dominant side by NNLS and fills them with samples whose other side
+    fits, the rest by pair SPFHP (_pair_nnls). Rows list their samples opener first."""
+    _check_algorithm(algorithm, ALGORITHMS)
+    enc_row_len, dec_row_len = _check_row_len(enc_row_len), _check_row_len(dec_row_len)
+    max_depth = _check_depth(max_depth)
+    enc = check_lengths(enc_lengths, enc_row_len, what="sample (encoder)")
+    dec = check_lengths(dec_lengths, dec_row_len, what="sample (decoder)")
+    if enc.shape != dec.shape:
+        raise ValueError(f"{enc.size} encoder lengths but {dec.size} decoder lengths")
+    if enc.size == 0:
+        return []
+    if algorithm == "nextfit":
+        return _pair_next_fit(enc, dec, enc_row_len, dec_row_len, max_depth)
+    if algorithm == "nnlshp":
+        return _pair_nnls(enc, dec, enc_row_len, dec_row_len, max_depth)
+    return _pair_fit(enc, dec, np.arange(enc.size), enc_row_len, dec_row_len, max_depth,
+                     worst_fit=algorithm != "lpfhp")
+
+
+def next_fit_order(rows: list[list[int]], lengths, row_lens, max_depth: int | None = None
+                   ) -> list[list[int]]:
+    """The rows reordered so that next-fit over their concatenation (pack_sequences /
+    pack_pairs with "nextfit") rebuilds exactly these rows: row B may follow row A when A is
+    at max_depth or B's first sample does not fit A's room on some side. `lengths`: (n,) or
+    (n, sides); `row_lens`: the row length of each side. Rows of the histogram and pair packers
+    list their opener first, and a row is opened only for a sample that fits no row open then,
+    so of any two rows one may follow the other: a Hamiltonian path of that relation exists
+    and is built by insertion (Redei's theorem). Where a pair allows neither order (reference
+    SPFHP's new packs of one length, next-fit's own rows) the row is appended and next-fit may
+    merge it with the one before: fewer rows, every limit still held."""
+    arr = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1)
+    limits = np.asarray(row_lens, dtype=np.int64).reshape(-1)
+    cap = max_depth if max_depth is not None else arr.shape[0] + 1
+    room = [limits - arr[row].sum(axis=0) for row in rows]
+
+    def may_follow(a: int, b: int) -> bool:
+        return len(rows[a]) >= cap or bool((arr[rows[b][0]] > room[a]).any())
+
+    path: list[int] = []
+    for v in range(len(rows)):
+        if not path or may_follow(v, path[0]):
+            path.insert(0, v)
+        elif may_follow(path[-1], v):
+            path.append(v)
+        else:
+            at = next((k + 1 for k in range(len(path) - 1)
+                       if may_follow(path[k], v) and may_follow(v, path[k + 1])), len(path))
+            path.insert(at, v)
+    return [rows[v] for v in path]
 
 
 def rows_efficiency(rows: list[list[int]], lengths, row_len: int) -> float:

@@ -472,12 +472,8 @@ def _packing_candidate(ctx: PlanningContext):
         packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
                                cfg.max_pack_depth)
     else:
-        try:
-            packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
-                               cfg.packing_algorithm, cfg.max_pack_depth)
-        except ValueError:      # a packer without a pair version: next-fit's plan instead
-            packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
-                               "nextfit", cfg.max_pack_depth)
+        packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
+                           cfg.packing_algorithm, cfg.max_pack_depth)
     best = None
     powers = [1 << k for k in range(max(1, len(packs)).bit_length() + 1)]
     for rows in sorted(set(powers) | {ctx.default_rows()}):

@@ -278,3 +278,57 @@ def test_cost_model_defaults_to_a_profile_on_gpu_only(monkeypatch):
     assert parse_args("gpt", BASE, has_cuda=True).cost_model == "analytic"
     assert parse_args("gpt", BASE + ["--cost-model", "analytic"],
                       has_cuda=True).cost_model == "analytic"
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+@pytest.mark.parametrize("algorithm", ["nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp"])
+def test_every_packer_and_the_pack_depth_reach_the_planner(model, algorithm):
+    from megatron.training.training import planner_config, model_spec
+    cfg = parse_args(model, BASE + ["--micro-batching", "packing", "--packing-algorithm",
+                                    algorithm, "--max-pack-depth", "5"], has_cuda=False)
+    assert (cfg.packing_algorithm, cfg.max_pack_depth, cfg.packing_window) == (algorithm, 5, 0)
+    planner = planner_config(cfg, model_spec(cfg, 1000), 1).planner
+    assert (planner.packing_algorithm, planner.max_pack_depth) == (algorithm, 5)
+    assert parse_args(model, BASE, has_cuda=False).max_pack_depth is None
+
+
+def test_packing_window_flags_make_the_sampler_pack_and_the_planner_rebuild(capsys):
+    from megatron.training.training import (model_spec, packing_window, planner_config,
+                                            replica_split, sampler_settings)
+    cfg = parse_args("t5", BASE + ["--micro-batching", "packing", "--packing-algorithm",
+                                   "lpfhp", "--packing-window", "50000", "--encoder-seq-length",
+                                   "512", "--decoder-seq-length", "128",
+                                   "--tokens-per-global-batch", "8192"], has_cuda=False)
+    window = packing_window(cfg)
+    assert (window.samples, window.algorithm, window.row_lengths, window.max_depth) == \
+        (50000, "lpfhp", (512, 128), None)
+    # the sampler packed the rows; the planner's next-fit rebuilds them from its order
+    assert planner_config(cfg, model_spec(cfg, 1000), 1).planner.packing_algorithm == "nextfit"
+    assert replica_split(cfg) == "micro-batches"
+    settings = sampler_settings(cfg)
+    assert (settings["--packing-window"], settings["--packing-algorithm"]) == (50000, "lpfhp")
+    plain = parse_args("gpt", BASE + ["--micro-batching", "packing"], has_cuda=False)
+    assert packing_window(plain) is None and sampler_settings(plain)["--packing-window"] is None
+    for argv, message in (
+            (["--packing-window", "100"], "--packing-window packs rows for --micro-batching "
+                                          "packing, not dynamic"),
+            (["--micro-batching", "packing", "--packing-window", "100", "--global-batch-size",
+              "8"], "give --tokens-per-global-batch, not --global-batch-size"),
+            (["--micro-batching", "packing", "--packing-window", "100", "--replica-split",
+              "samples"], "needs --replica-split micro-batches"),
+            (["--micro-batching", "packing", "--packing-window", "100", "--seq-length", "2048",
+              "--tokens-per-global-batch", "2048", "--max-position-embeddings", "2048"], None),
+            (["--micro-batching", "packing", "--packing-window", "-1"],
+             "--packing-window must be >= 0"),
+            (["--micro-batching", "packing", "--max-pack-depth", "0"],
+             "--max-pack-depth must be >= 1, got 0")):
+        if message is None:
+            assert parse_args("gpt", BASE + argv, has_cuda=False).packing_window == 100
+            continue
+        assert message in " ".join(parse_or_exit_message(capsys, "gpt", argv).split())
+    t5_err = parse_or_exit_message(capsys, "t5", ["--micro-batching", "packing",
+                                                  "--packing-window", "100",
+                                                  "--encoder-seq-length", "512",
+                                                  "--decoder-seq-length", "128",
+                                                  "--tokens-per-global-batch", "600"])
+    assert "cannot hold one packed row of 640 tokens (--packing-window)" in t5_err

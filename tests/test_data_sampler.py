@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from megatron.data.sampler import STREAM_BLOCK, GlobalBatchSampler, mixing_rates
+from dynapipe_ext.packing import pack_pairs, pack_sequences
+from megatron.data.sampler import STREAM_BLOCK, GlobalBatchSampler, PackingWindow, mixing_rates
 
 
 def make_data(seed=0, sizes=(3000, 400, 60, 5)):
@@ -153,3 +154,131 @@ def test_bad_arguments():
         GlobalBatchSampler(lengths[:-1], tasks, 4096)
     with pytest.raises(ValueError, match="cap"):
         GlobalBatchSampler(lengths, tasks, 4096, mixing_cap=0)
+
+
+# ---- dataset-level packing (--packing-window) -------------------------------------------------
+
+def flan_like_lengths(n, seed=0, sides=1):
+    """Lengths shaped like the FLAN-like sample: log-normal with a few long documents, cut at
+    2048 (T5: decoder lengths 1..512, a third of them single-token answers)."""
+    rng = np.random.default_rng(seed)
+    gpt = rng.lognormal(np.log(90), 1.0, size=n)
+    gpt[rng.random(n) < 0.03] *= 12
+    gpt = np.clip(gpt.astype(np.int64), 1, 2048)
+    if sides == 1:
+        return gpt
+    dec = np.where(rng.random(n) < 0.33, 1, rng.lognormal(np.log(25), 1.0, size=n))
+    return np.stack([gpt, np.clip(dec.astype(np.int64), 1, 512)], axis=1)
+
+
+def packed_sampler(lengths, tasks, algorithm="lpfhp", window=3000, budget=8192, seed=4,
+                   max_depth=None):
+    rows = (2048,) if lengths.ndim == 1 else (2048, 512)
+    return GlobalBatchSampler(lengths, tasks, budget, seed=seed,
+                              packing=PackingWindow(window, algorithm, rows, max_depth))
+
+
+def next_fit_rows(lengths, batch, max_depth=None):
+    """The rows `--micro-batching packing` makes of a batch in window mode (next-fit)."""
+    if lengths.ndim == 1:
+        return pack_sequences(lengths[batch], 2048, "nextfit", max_depth)
+    return pack_pairs(lengths[batch, 0], lengths[batch, 1], 2048, 512, "nextfit", max_depth)
+
+
+@pytest.mark.parametrize("algorithm", ["nextfit", "spfhp", "lpfhp", "nnlshp"])
+def test_packing_window_batches_are_whole_rows_of_every_window_sample(algorithm):
+    lengths = flan_like_lengths(5000)
+    tasks = np.arange(5000) % 7
+    depth = 3 if algorithm == "nnlshp" else 12
+    sampler = packed_sampler(lengths, tasks, algorithm, window=1500, max_depth=depth)
+    window_rows = sampler.packing.pack(lengths[sampler.stream(0, 1500)])
+    seen, it = [], 0
+    while sampler.consumed_before(it) < 1500:    # the batches of window 0
+        batch = sampler.batch(it)
+        assert lengths[batch].sum() <= 8192
+        rows = next_fit_rows(lengths, batch, depth)
+        assert all(len(r) <= depth and lengths[batch[r]].sum() <= 2048 for r in rows)
+        seen.extend(sorted(batch[r].tolist()) for r in rows)
+        it += 1
+    assert sampler.consumed_before(it) == 1500, "batches end at the window's end"
+    # every stream position of the window once, in exactly the packer's rows
+    stream = sampler.stream(0, 1500)
+    expected = sorted(sorted(stream[r].tolist()) for r in window_rows)
+    if algorithm in ("lpfhp", "nnlshp"):
+        assert sorted(seen) == expected
+    else:   # next-fit's rows and reference SPFHP's equal-length new packs may merge
+        assert len(seen) <= len(expected)
+    assert sorted(i for r in seen for i in r) == sorted(stream.tolist())
+
+
+def test_packing_window_reaches_097_real_over_slots_at_2048():
+    lengths = flan_like_lengths(20000, seed=1)
+    tasks = np.arange(20000) % 11
+    per_batch = GlobalBatchSampler(lengths, tasks, 8192, seed=4)
+    windowed = {}
+    for algorithm, low in (("lpfhp", 0.97), ("spfhp", 0.95)):
+        sampler = packed_sampler(lengths, tasks, algorithm, window=10000)
+        real = slots = 0
+        for it in range(150):
+            batch = sampler.batch(it)
+            real += int(lengths[batch].sum())
+            slots += 2048 * len(next_fit_rows(lengths, batch))
+        windowed[algorithm] = real / slots
+        assert real / slots >= low, (algorithm, real / slots)
+    real = slots = 0
+    for it in range(150):   # the same packer on each global batch alone
+        batch = per_batch.batch(it)
+        real += int(lengths[batch].sum())
+        slots += 2048 * len(pack_sequences(lengths[batch], 2048, "lpfhp"))
+    assert real / slots < windowed["lpfhp"] - 0.02, (real / slots, windowed)
+
+
+def test_packing_window_t5_pairs_hold_both_limits():
+    pairs = flan_like_lengths(3000, seed=2, sides=2)
+    tasks = np.arange(3000) % 5
+    for algorithm in ("spfhp", "lpfhp", "nnlshp"):
+        sampler = packed_sampler(pairs, tasks, algorithm, window=1000, budget=8192 + 2048)
+        for it in range(30):
+            batch = sampler.batch(it)
+            assert pairs[batch].sum() <= 8192 + 2048
+            for row in next_fit_rows(pairs, batch):
+                assert pairs[batch[row], 0].sum() <= 2048 and pairs[batch[row], 1].sum() <= 512
+
+
+def test_packing_window_is_deterministic_and_resumes_exactly():
+    lengths = flan_like_lengths(4000, seed=3)
+    tasks = np.arange(4000) % 9
+    run = packed_sampler(lengths, tasks, "spfhp", window=400)
+    straight = [run.batch(it).tolist() for it in range(40)]      # crosses several windows
+    assert run.consumed_before(40) > 3 * 400
+    again = packed_sampler(lengths, tasks, "spfhp", window=400)
+    assert [again.batch(it).tolist() for it in range(40)] == straight
+    for stop in (1, 17, 23):
+        state = run.state_dict(run.consumed_before(stop))
+        resumed = packed_sampler(lengths, tasks, "spfhp", window=400)
+        batches = resumed.resume_from(state)
+        assert [next(batches).tolist() for _ in range(40 - stop)] == straight[stop:]
+        assert resumed.iteration_of(state["consumed_samples"]) == stop
+    other_seed = packed_sampler(lengths, tasks, "spfhp", window=400, seed=5)
+    assert other_seed.batch(0).tolist() != straight[0]
+    with pytest.raises(ValueError, match="not a batch boundary of packing window"):
+        run.batch_at(run.consumed_before(3) + 1)
+
+
+def test_packing_window_settings_are_checked():
+    lengths = flan_like_lengths(500)
+    tasks = np.zeros(500, dtype=np.int64)
+    with pytest.raises(ValueError, match="whole packed rows.*token budget"):
+        GlobalBatchSampler(lengths, tasks, 8192, max_samples_per_batch=8,
+                           packing=PackingWindow(100, "spfhp", (2048,)))
+    with pytest.raises(ValueError, match="up to 2048 tokens, more than tokens_per_global_batch"
+                                         "=2000"):
+        GlobalBatchSampler(np.minimum(lengths, 1500), tasks, 2000,
+                           packing=PackingWindow(100, "spfhp", (2048,)))
+    with pytest.raises(ValueError, match="sample 3 has length 900, over the packed row"):
+        GlobalBatchSampler(np.array([1, 2, 3, 900]), np.zeros(4, dtype=np.int64), 8192,
+                           packing=PackingWindow(100, "spfhp", (512,)))
+    with pytest.raises(ValueError, match="packing window must be a positive"):
+        PackingWindow(0, "spfhp", (2048,))
+    with pytest.raises(ValueError, match="packing algorithm must be one of"):
+        PackingWindow(10, "ffd", (2048,))

@@ -33,6 +33,8 @@ SPECS = {
 }
 # "dynamic-packed": dynamic micro-batches as one token stream each (dynamic_layout "packed")
 STYLES = ("padding", "packing", "dynamic", "dynamic-packed")
+# packing with the histogram / pair packers (plain "packing" is next-fit): other rows, same math
+PACKER_STYLES = ("packing-spfhp", "packing-lpfhp", "packing-nnlshp")
 RTOL, LOSS_RTOL, ATOL_FRACTION = 1e-5, 1e-6, 1e-6
 BUCKET_NUMEL = 4096             # several DP buckets per stage, so their order is exercised
 # name -> (processes, tensor parallel, pipeline parallel, schedule)
@@ -82,11 +84,14 @@ def plan_replica(model, style, num_stages, tp, dp, dp_rank, spec=None):
     """This replica's micro-batches from the real planner, with recompute modes cycled."""
     spec = spec or SPECS[model]
     samples = global_batch(model)
+    style, _, variant = style.partition("-")
     config = PlannerConfig(model=model, max_seq_len=MAX_SEQ,
                            max_dec_seq_len=MAX_DEC if model == "t5" else 0,
                            pipeline_stages=num_stages, data_parallel=dp, micro_batch_size=3,
                            memory_limit_bytes=MEMORY_LIMIT,
-                           dynamic_layout="packed" if style == "dynamic-packed" else "padded")
+                           packing_algorithm=variant if style == "packing" and variant
+                           else "nextfit",
+                           dynamic_layout="packed" if variant == "packed" else "padded")
     cost = AnalyticCostModel(spec, tp=tp, max_seq_len=MAX_SEQ,
                              max_dec_seq_len=MAX_DEC if model == "t5" else None,
                              num_stages=num_stages, half_rate_tokens=1.0)
@@ -153,7 +158,7 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
         if not any(m == model for m, _ in cases):
             continue
         layout = setup_model_parallel(tp, pp, seed=SEED, timeout_s=60)
-        for style in STYLES:
+        for style in STYLES + PACKER_STYLES:
             if (model, style) in cases:
                 results[(model, style)] = run_case(model, style, tp, pp, schedule_name, layout,
                                                    dtype, spec_of(model, layout_name))
@@ -205,6 +210,22 @@ def test_parallel_run_equals_single_process_reference(references, layout_name):
     assert not failures, failures
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout_name", ["pp2", "tp2_pp2"])
+def test_packers_runs_equal_single_process_reference(references, layout_name):
+    """Rows of SPFHP / LPFHP / NNLSHP (T5: the pair packers) keep attention within each
+    sample: loss and gradients equal the unpacked reference, as next-fit's rows do."""
+    world_size = LAYOUTS[layout_name][0]
+    cases = [(model, style) for model in SPECS for style in PACKER_STYLES]
+    results = run_in_processes(layout_worker, world_size, (layout_name, cases),
+                               timeout_s=400)[0]
+    assert sorted(results) == sorted(cases)
+    failures = {f"{layout_name}/{model}/{style}": compare(references[model], result)[:5]
+                for (model, style), result in results.items()
+                if compare(references[model], result)}
+    assert not failures, failures
+
+
 def test_compare_flags_a_wrong_gradient_and_loss():
     """The comparison itself is not vacuous: a 1e-4 relative error in one entry is caught."""
     ref = (2.0, {"w": np.linspace(-1, 1, 50, dtype=np.float32)})
@@ -228,6 +249,11 @@ def test_planned_micro_batches_are_varied():
         packed = shapes["dynamic-packed"]
         assert all(mb.num_rows == 1 for mb in packed) and any(mb.is_packed for mb in packed)
         assert len(packed) > 1, model
+        # the packers' rows differ from next-fit's, so their equivalence cases test other rows
+        rows = {style: sorted(row for mb in plan_replica(model, style, 2, 1, 1, 0)[2]
+                              .micro_batches for row in mb.rows)
+                for style in ("packing",) + PACKER_STYLES}
+        assert all(rows[style] != rows["packing"] for style in PACKER_STYLES), model
 
 
 def dead_peer_worker(rank, world_size):

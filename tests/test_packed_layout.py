@@ -37,7 +37,7 @@ def t5_config(**kw):
 def test_packed_cost_shape_keeps_slots_and_attention_work():
     rng = np.random.default_rng(0)
     for _ in range(50):
-        lengths = rng.integers(1, 2000, rng.integers(1, 40))
+        lengths = rng.integers(8, 2000, rng.integers(1, 40))
         slots = -(-lengths.sum() // 8) * 8
         square = float((lengths.astype(np.float64) ** 2).sum())
         rows, seq, dec = packed_cost_shape(slots, square, 3 * slots)
@@ -45,6 +45,17 @@ def test_packed_cost_shape_keeps_slots_and_attention_work():
         assert rows * seq * seq == pytest.approx(square)     # attention: sum of l_i^2
         assert rows * dec == pytest.approx(3 * slots)        # decoder slots share the rows
         assert rows >= 1 - 1e-12 and seq <= lengths.max() + 1e-9
+
+
+def test_packed_cost_shape_keeps_lengths_of_at_least_one():
+    """A stream mostly of pads (one 1-token sample in 8 slots; a T5 row whose decoder holds
+    fewer slots than its encoder's rows would be): still a shape a cost model knows, with the
+    slots kept and at least the samples' attention charged."""
+    rows, seq, dec = packed_cost_shape([8.0, 1024.0], [1.0, 5 * 10.0 ** 2], [0.0, 40.0])
+    np.testing.assert_allclose(rows * seq, [8.0, 1024.0])
+    np.testing.assert_allclose(rows * dec, [0.0, 40.0])
+    assert (seq >= 1).all() and dec[1] >= 1
+    assert (rows * seq * seq >= np.array([1.0, 500.0])).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

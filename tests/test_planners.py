@@ -84,6 +84,21 @@ def test_packing_rows_are_exactly_the_row_length():
     assert any(mb.is_packed for mb in plan.micro_batches)
 
 
+@pytest.mark.parametrize("algorithm", ["spfhp", "lpfhp", "nnlshp"])
+def test_t5_packing_with_a_pair_packer_holds_both_row_lengths(algorithm):
+    lengths = t5_lengths(seed=6)
+    config, cost = t5_setup(packing_algorithm=algorithm, max_pack_depth=3)
+    plan = plan_micro_batches(lengths, config, cost, "packing")
+    assert sorted(plan.sample_ids()) == list(range(len(lengths)))
+    for mb in plan.micro_batches:
+        assert (mb.seq_len, mb.dec_seq_len) == (1024, 256)
+        for row in mb.rows:
+            assert len(row) <= 3
+            assert lengths[list(row), 0].sum() <= 1024 and lengths[list(row), 1].sum() <= 256
+    next_fit = plan_micro_batches(lengths, t5_setup(max_pack_depth=3)[0], cost, "packing")
+    assert plan.info["packed_rows"] < next_fit.info["packed_rows"]
+
+
 def test_token_budget_is_respected():
     lengths = gpt_lengths(seed=5)
     config, cost = gpt_setup(token_budget=2048)

@@ -6,12 +6,22 @@ then that task's next sample in a seeded per-pass permutation (every sample of a
 once before any is seen twice). A global batch takes stream samples in order while their
 token sum stays within `tokens_per_global_batch`. Everything is a pure function of the seed
 and the stream position, so a batch can be looked up by iteration or by consumed-sample count,
-planned ahead without consuming, and a resumed run sees exactly the same batches."""
+planned ahead without consuming, and a resumed run sees exactly the same batches.
+
+With a packing window (`PackingWindow`, the trainer's --packing-window) the stream is cut into
+windows of that many samples, each packed as a whole into rows ahead of training (Krell et
+al. pack the whole dataset); the rows are shuffled and global batches take whole rows while
+their tokens fit the budget. Samples are emitted row by row in an order from which next-fit
+rebuilds the rows (dynapipe_ext.packing.next_fit_order), so `--micro-batching packing`
+trains on exactly these rows. Still a pure function of the seed and the stream position."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
+
+from dynapipe_ext.packing import ALGORITHMS, next_fit_order, pack_pairs, pack_sequences
 
 STREAM_BLOCK = 8192  # stream positions generated per block
 
@@ -42,6 +52,38 @@ def given_rates(rates: Sequence[float], task_ids: np.ndarray) -> np.ndarray:
     return rates / rates.sum()
 
 
+@dataclass(frozen=True)
+class PackingWindow:
+    """Dataset-level packing: `samples` stream positions per window, packed with `algorithm`
+    into rows of `row_lengths` (GPT (seq_length,), T5 (encoder, decoder)) holding at most
+    `max_depth` samples (None: no limit)."""
+
+    samples: int
+    algorithm: str
+    row_lengths: tuple
+    max_depth: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.samples, bool) or not isinstance(self.samples, (int, np.integer)) \
+                or self.samples < 1:
+            raise ValueError(f"packing window must be a positive number of samples, "
+                             f"got {self.samples!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"packing algorithm must be one of {ALGORITHMS}, "
+                             f"got {self.algorithm!r}")
+        if len(self.row_lengths) not in (1, 2) or min(self.row_lengths) < 1:
+            raise ValueError(f"row lengths must be 1 (GPT) or 2 (T5) positive lengths, "
+                             f"got {self.row_lengths!r}")
+
+    def pack(self, lengths: np.ndarray) -> list[list[int]]:
+        """Rows of positions into `lengths` ((n,) or (n, 2))."""
+        if len(self.row_lengths) == 1:
+            return pack_sequences(lengths.reshape(-1), self.row_lengths[0], self.algorithm,
+                                  self.max_depth)
+        return pack_pairs(lengths[:, 0], lengths[:, 1], self.row_lengths[0],
+                          self.row_lengths[1], self.algorithm, self.max_depth)
+
+
 class GlobalBatchSampler:
     """Global batches of sample indices under a token budget, over a task mixture.
 
@@ -51,15 +93,19 @@ class GlobalBatchSampler:
     those stream ids as `task_ids`, see megatron/data/blend.py). `settings` names whatever
     else decided the batches (the trainer: its batch and mixing flags, by flag name); the
     checkpoint state records them and a resume must match them (`check_resume`); without
-    it, the seed and the token budget are recorded."""
+    it, the seed and the token budget are recorded. `packing` (a PackingWindow) makes global
+    batches of whole packed rows of each window (see the module docstring); it excludes
+    `max_samples_per_batch`."""
 
     def __init__(self, sample_lengths: Sequence, task_ids: Sequence, tokens_per_global_batch: int,
                  seed: int = 1234, mixing_cap: Optional[int] = None, temperature: float = 1.0,
                  max_samples_per_batch: Optional[int] = None,
                  task_names: Optional[Sequence[str]] = None,
                  rates: Optional[Sequence[float]] = None,
-                 settings: Optional[Mapping[str, object]] = None):
+                 settings: Optional[Mapping[str, object]] = None,
+                 packing: Optional[PackingWindow] = None):
         lengths = np.asarray(sample_lengths, dtype=np.int64)
+        self.lengths = lengths
         self.costs = lengths.sum(axis=1) if lengths.ndim == 2 else lengths
         self.task_ids = np.asarray(task_ids, dtype=np.int64)
         if self.costs.ndim != 1 or len(self.costs) != len(self.task_ids):
@@ -76,7 +122,10 @@ class GlobalBatchSampler:
         self.rates = (mixing_rates(self.task_ids, num_tasks, mixing_cap, temperature)
                       if rates is None else given_rates(rates, self.task_ids))
         self._members = [np.flatnonzero(self.task_ids == t) for t in range(len(self.rates))]
+        self.packing = packing
         self._check_budget()
+        self._check_packing()
+        self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._block_starts: list[np.ndarray] = [np.zeros(len(self.rates), dtype=np.int64)]
         self._block_cache: dict[int, np.ndarray] = {}
         self._batch_starts: list[int] = [0]
@@ -96,6 +145,30 @@ class GlobalBatchSampler:
                 f"{too_long.size} samples exceed tokens_per_global_batch="
                 f"{self.tokens_per_global_batch} on their own, e.g. sample {i} ({name}) with "
                 f"{int(self.costs[i])} tokens: raise the budget or lower the sequence length")
+
+    def _check_packing(self) -> None:
+        if self.packing is None:
+            return
+        if self.max_samples_per_batch is not None:
+            raise ValueError("a packing window makes batches of whole packed rows; it cannot "
+                             "also hold a fixed number of samples per batch (give a token "
+                             "budget instead of a global batch size)")
+        sides = 1 if self.lengths.ndim == 1 else self.lengths.shape[1]
+        if len(self.packing.row_lengths) != sides:
+            raise ValueError(f"packing rows of {len(self.packing.row_lengths)} side(s) for "
+                             f"samples of {sides}")
+        row_tokens = sum(self.packing.row_lengths)
+        if row_tokens > self.tokens_per_global_batch:
+            raise ValueError(f"a packed row holds up to {row_tokens} tokens, more than "
+                             f"tokens_per_global_batch={self.tokens_per_global_batch}: raise "
+                             f"the budget to at least one row")
+        over = np.flatnonzero((self.lengths.reshape(len(self.lengths), -1)
+                               > np.asarray(self.packing.row_lengths)).any(axis=1))
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"sample {i} has length {self.lengths[i].tolist()}, over the "
+                             f"packed row length {list(self.packing.row_lengths)} "
+                             f"({over.size} such samples)")
 
     # ---- the sample stream ------------------------------------------------------------------
     def _permutation(self, task: int, epoch: int) -> np.ndarray:
@@ -149,6 +222,8 @@ class GlobalBatchSampler:
     # ---- batches ----------------------------------------------------------------------------
     def batch_at(self, consumed_samples: int) -> np.ndarray:
         """The global batch that starts after `consumed_samples` stream samples."""
+        if self.packing is not None:
+            return self._packed_batch_at(consumed_samples)
         picked, used, pos = [], 0, consumed_samples
         limit = self.max_samples_per_batch or np.inf
         while True:
@@ -160,6 +235,46 @@ class GlobalBatchSampler:
             if fit < len(chunk):
                 return np.concatenate(picked)
             used, pos = int(cum[-1]), pos + len(chunk)
+
+    def _window(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """Window `window` packed: (its sample indices in emitted order, batch start offsets
+        into that order, ending with the window size)."""
+        if window in self._window_cache:
+            return self._window_cache[window]
+        size = self.packing.samples
+        ids = self.stream(window * size, size)
+        window_lengths = self.lengths[ids]
+        rows = self.packing.pack(window_lengths)
+        rng = np.random.default_rng([self.seed, 2, window])
+        rows = [rows[k] for k in rng.permutation(len(rows))]
+        row_costs = np.array([int(self.costs[ids[row]].sum()) for row in rows])
+        order: list[int] = []
+        starts = [0]
+        first = 0
+        while first < len(rows):
+            cum = np.cumsum(row_costs[first:])
+            last = first + max(1, int(np.searchsorted(cum, self.tokens_per_global_batch,
+                                                      side="right")))
+            batch = next_fit_order(rows[first:last], window_lengths,
+                                   self.packing.row_lengths, self.packing.max_depth)
+            order.extend(i for row in batch for i in row)
+            starts.append(len(order))
+            first = last
+        out = (ids[np.asarray(order, dtype=np.int64)], np.asarray(starts, dtype=np.int64))
+        if len(self._window_cache) > 2:
+            self._window_cache.clear()
+        self._window_cache[window] = out
+        return out
+
+    def _packed_batch_at(self, consumed_samples: int) -> np.ndarray:
+        window, offset = divmod(int(consumed_samples), self.packing.samples)
+        order, starts = self._window(window)
+        k = int(np.searchsorted(starts, offset))
+        if k >= len(starts) - 1 or starts[k] != offset:
+            raise ValueError(f"consumed_samples={consumed_samples} is not a batch boundary of "
+                             f"packing window {window} (seed {self.seed}, window "
+                             f"{self.packing.samples}): checkpoint from another config?")
+        return order[starts[k]:starts[k + 1]]
 
     def consumed_before(self, iteration: int) -> int:
         """Stream samples consumed by iterations [0, iteration)."""

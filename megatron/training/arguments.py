@@ -117,6 +117,8 @@ class TrainConfig:
     p2p_bandwidth_gbps: float | None = None
     p2p_latency_us: float | None = None
     replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
+    max_pack_depth: int | None = None  # most samples in one packed row (None: no limit)
+    packing_window: int = 0            # samples packed together ahead of training; 0: per batch
     cost_model_cache_dir: str | None = None     # --cost-model profile (None: ~/.cache/...)
     untie_embeddings_and_output_weights: bool = False   # Megatron's default: tied
     # layer options (ModelSpec fields; T5 v1.1 / FLAN-T5 need all of them)
@@ -214,6 +216,23 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--micro-batching must be one of {MICRO_BATCHING}, got {cfg.micro_batching!r}")
     need(cfg.packing_algorithm in PACKING_ALGORITHMS,
          f"--packing-algorithm must be one of {PACKING_ALGORITHMS}, got {cfg.packing_algorithm!r}")
+    need(cfg.max_pack_depth is None or cfg.max_pack_depth >= 1,
+         f"--max-pack-depth must be >= 1, got {cfg.max_pack_depth}")
+    need(cfg.packing_window >= 0, f"--packing-window must be >= 0, got {cfg.packing_window}")
+    if cfg.packing_window:
+        need(cfg.micro_batching == "packing",
+             f"--packing-window packs rows for --micro-batching packing, not "
+             f"{cfg.micro_batching}")
+        need(not cfg.global_batch_size,
+             "--packing-window makes global batches of whole packed rows: give "
+             "--tokens-per-global-batch, not --global-batch-size")
+        need(cfg.replica_split != "samples",
+             "--packing-window packs each global batch as a whole: it needs --replica-split "
+             "micro-batches (or auto), not samples")
+        row_tokens = cfg.seq_length + cfg.decoder_seq_length
+        need(cfg.tokens_per_global_batch >= row_tokens,
+             f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one packed "
+             f"row of {row_tokens} tokens (--packing-window)")
     need(cfg.pipeline_schedule in PIPELINE_SCHEDULES,
          f"--pipeline-schedule must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline_schedule!r}")
     need(cfg.num_planner_workers == "auto"
@@ -524,7 +543,16 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     batch.add_argument("--tokens-per-global-batch", type=int, default=None, help=TOKENS_HELP)
     batch.add_argument("--global-batch-size", type=int, default=None, help=GLOBAL_BATCH_HELP)
     g.add_argument("--micro-batching", choices=MICRO_BATCHING, default="dynamic")
-    g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp")
+    g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp",
+                   help="packer for --micro-batching packing (GPT and T5; T5 packs the "
+                        "(encoder, decoder) pairs with both length limits held)")
+    g.add_argument("--max-pack-depth", type=int, default=None,
+                   help="most samples in one packed row (default: no limit; nnlshp then "
+                        "uses 3, Krell et al.'s depth)")
+    g.add_argument("--packing-window", type=int, default=0,
+                   help="pack this many samples of the data stream together ahead of "
+                        "training (dataset-level packing, Krell et al.) and make global "
+                        "batches of whole rows; 0 (default): pack each global batch alone")
     g.add_argument("--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
                    help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
                         "(default), one token stream of its samples (no padding but the "
@@ -756,7 +784,8 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         dynamic_layout=args.dynamic_layout,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
-        replica_split=args.replica_split,
+        replica_split=args.replica_split, max_pack_depth=args.max_pack_depth,
+        packing_window=args.packing_window,
         check_plans=args.check_plans,
         cost_model=args.cost_model or default_cost_model(has_cuda),
         lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,

@@ -30,7 +30,7 @@ from dynapipe_ext.iteration_planner import (IterationPlannerConfig, pipeline_lay
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
-from megatron.data.sampler import GlobalBatchSampler
+from megatron.data.sampler import GlobalBatchSampler, PackingWindow
 from megatron.data.split import PARTS, parse_split, split_indices
 from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
@@ -176,7 +176,7 @@ def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarr
     """Global batches over one dataset's tasks, or over a blend's (prefix, task) streams;
     `indices` (--split) limits them to those samples (the sampler numbers them 0..)."""
     common = dict(seed=cfg.seed, max_samples_per_batch=cfg.global_batch_size or None,
-                  settings=sampler_settings(cfg))
+                  settings=sampler_settings(cfg), packing=packing_window(cfg))
     subset = (lambda values: values) if indices is None else (lambda values: values[indices])
     if not isinstance(dataset, BlendedMultiTaskDataset):
         return GlobalBatchSampler(subset(lengths), subset(dataset.task_ids),
@@ -193,6 +193,15 @@ def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarr
                               task_names=names, rates=rates, **common)
 
 
+def packing_window(cfg: TrainConfig) -> PackingWindow | None:
+    """--packing-window: the sampler packs windows of the stream into rows of the run's
+    maximum lengths with --packing-algorithm and --max-pack-depth; None without it."""
+    if not cfg.packing_window:
+        return None
+    rows = (cfg.seq_length, cfg.decoder_seq_length) if cfg.is_t5 else (cfg.seq_length,)
+    return PackingWindow(cfg.packing_window, cfg.packing_algorithm, rows, cfg.max_pack_depth)
+
+
 def sampler_settings(cfg: TrainConfig) -> dict:
     """The flags that decide the global batches, by flag name: a checkpoint's sampler state
     records them and a resume with other values is an error naming the flag."""
@@ -206,7 +215,11 @@ def sampler_settings(cfg: TrainConfig) -> dict:
             "--split": cfg.split,     # which samples training draws from
             # shares, so "3 A 7 B" resumes a run of "0.3 A 0.7 B"
             "--data-path weights": (None if weights[0] is None
-                                    else [w / sum(weights) for w in weights])}
+                                    else [w / sum(weights) for w in weights]),
+            # rows packed ahead of training decide the batches too
+            "--packing-window": cfg.packing_window or None,
+            "--packing-algorithm": cfg.packing_algorithm if cfg.packing_window else None,
+            "--max-pack-depth": cfg.max_pack_depth if cfg.packing_window else None}
 
 
 # ---------------------------------------------------------------------------- model
@@ -310,7 +323,10 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
         pipeline_stages=pp, data_parallel=dp, tokens_per_global_batch=cfg.tokens_per_global_batch,
         micro_batch_size=cfg.micro_batch_size if cfg.micro_batching == "padding" else None,
-        packing_algorithm=cfg.packing_algorithm, dynamic_layout=cfg.dynamic_layout)
+        # with --packing-window the sampler packed the rows already and emits them in an
+        # order from which next-fit rebuilds them (megatron/data/sampler.py)
+        packing_algorithm="nextfit" if cfg.packing_window else cfg.packing_algorithm,
+        max_pack_depth=cfg.max_pack_depth, dynamic_layout=cfg.dynamic_layout)
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
@@ -324,6 +340,8 @@ def replica_split(cfg: TrainConfig) -> str:
     """The run's --replica-split, with 'auto' resolved from torchrun's node layout."""
     if cfg.replica_split != "auto":
         return cfg.replica_split
+    if cfg.packing_window:     # rows packed for the whole batch: dealing samples would break them
+        return "micro-batches"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return default_replica_split(world, ranks_per_node_from_env(world))
 
