@@ -379,6 +379,8 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "model": job["model"], "max_len": job["max_len"],
         "dec_max_len": decoder_length(job["max_len"]) if job["model"] == "t5" else 0,
         "strategy": strategy, "micro_batch_size": micro_batch_size,
+        "packing_algorithm": job["packing_algorithm"],
+        "packer_real_per_slot": job.get("packer_efficiency"),
         "memory_gib": job["memory_gib"],
         "micro_batch_size_predicted_ms": tuning, "segment_attention_modules": replaced,
         "iterations": len(measured), "warmup_iterations": job["warmup_iters"],
@@ -427,6 +429,40 @@ def tune_for(cfg, job: dict, strategy: str):
     total = job["warmup_iters"] + job["iters"]
     batches = [data.batch_lengths(i) for i in range(job["warmup_iters"], total)]
     return tune_micro_batch_size(plan_cfg, batches)
+
+
+def best_packer(job: dict) -> tuple[str, dict]:
+    """The packer whose rows of the max length hold the most real tokens per slot (T5: the
+    mean of encoder and decoder) over the timed global batches, and every packer's share;
+    deterministic, so every rank picks the same."""
+    import numpy as np
+
+    from dynapipe_ext.packing import ALGORITHMS, pack_pairs, pack_sequences
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import open_training_data
+    cfg = parse_args(job["model"], train_flags(dict(job, packing_algorithm="nextfit"),
+                                               "packing"))
+    data = open_training_data(cfg, int(os.environ.get("RANK", "0")))
+    total = job["warmup_iters"] + job["iters"]
+    batches = [np.asarray(data.batch_lengths(i)) for i in range(job["warmup_iters"], total)]
+    share = {}
+    for algorithm in ALGORITHMS:
+        real = slots = 0.0
+        try:
+            for lengths in batches:
+                if job["model"] == "gpt":
+                    rows = len(pack_sequences(lengths, job["max_len"], algorithm))
+                    real, slots = real + lengths.sum(), slots + rows * job["max_len"]
+                else:
+                    dec_len = decoder_length(job["max_len"])
+                    rows = len(pack_pairs(lengths[:, 0], lengths[:, 1], job["max_len"],
+                                          dec_len, algorithm))
+                    real += lengths[:, 0].sum() / job["max_len"] + lengths[:, 1].sum() / dec_len
+                    slots += 2 * rows
+        except ValueError:         # refused (e.g. NNLSHP's system too big): not a candidate
+            continue
+        share[algorithm] = float(real / slots)
+    return max(share, key=share.get), share
 
 
 def group_memory_gib(job: dict, most_doublings: int = 3) -> float:
@@ -484,6 +520,8 @@ def worker_main(job_file: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if job.get("cost_model") == "profile":
         ensure_profile(job)
+    if job["packing_algorithm"] == "best":
+        job["packing_algorithm"], job["packer_efficiency"] = best_packer(job)
     job["memory_gib"] = group_memory_gib(job)
     results = []
     for round_index, strategy in enumerate(job["strategies"] * job.get("rounds", 1)):
@@ -541,8 +579,10 @@ def measured_table(rows: list[dict]) -> list[str]:
         dec = r.get("padding_efficiency_dec")
         eff = f"{r['padding_efficiency_enc']:.2f}" + (f"/{dec:.2f}" if dec is not None else "")
         sched = sorted({s.split("[")[0] for s in r["schedules"]})
+        packer = (f" ({r['packing_algorithm']})" if r["strategy"].startswith("packing")
+                  and r.get("packing_algorithm") else "")
         out.append(
-            f"| {r['model']} | {r['max_len']} | {r['strategy']} | "
+            f"| {r['model']} | {r['max_len']} | {r['strategy']}{packer} | "
             f"{r['micro_batch_size'] or 'var'} | {r['tokens_per_s']:,.0f}{spread_text(r)} | "
             f"{percent(r.get('mfu'))} | {ratio_text(r)} | {eff} | "
             f"{median(r['micro_batches']):.0f} | {'/'.join(r['recompute'])} | "
@@ -832,8 +872,10 @@ def report_markdown(result: dict, plots: dict) -> str:
         f"{memory_note(rows, s['memory_gib'])}) for "
         "every strategy; schedule 'auto' (faster of 1F1B and adaptive per iteration); recompute "
         "per micro-batch (cheapest that fits). Padding and packing use their best rows per "
-        f"micro-batch (power of two, least predicted time); packing is {s['packing_algorithm']}"
-        " into rows of "
+        "micro-batch (power of two, least predicted time); packing is "
+        + ("the packer with the most real tokens per slot on the timed batches (named in the "
+           "table)" if s["packing_algorithm"] == "best" else s["packing_algorithm"])
+        + " into rows of "
         "the max length, attention one SDPA call with the block-diagonal mask built on the "
         "device (megatron/model/attention.py mode 'mask'); packing+segment-attn is the same "
         "packing with only the samples' blocks computed (mode 'segments': FlexAttention on "
@@ -1100,8 +1142,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--bf16", action="store_true", help="bf16 model (GPU; default there)")
-    g.add_argument("--packing-algorithm", default="nextfit",
-                   choices=("nextfit", "spfhp", "lpfhp", "nnlshp"))
+    g.add_argument("--packing-algorithm", default="best",
+                   choices=("best", "nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp"),
+                   help="packer of the packing rows (and of dynamic's packing candidate); "
+                        "'best' (default): the one with the most real tokens per slot on the "
+                        "timed global batches, chosen per (model, max length) and recorded")
     g.add_argument("--pipeline-schedule", default="auto", choices=("auto", "1f1b", "adaptive"))
     g.add_argument("--device-flops", type=float, default=None,
                    help="cost model throughput (default: 2e10 on CPU, 3e14 on GPU)")

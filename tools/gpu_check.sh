@@ -91,9 +91,9 @@ bench() {   # model max_len layers packer strategies...
   grep '^\[bench\]\|^    ' "$out/bench_${model}.log" || true
   [ $status = 0 ] || say "bench $model exit status $status (see $out/bench_${model}.log)"
 }
-# the packer with the best real / slot share on FLAN-like data at these sizes (docs/BENCHMARKS.md)
-bench gpt 4096 16 "${GPT_PACKER:-lpfhp}" packing+segment-attn dynamic dynamic+padded
-bench t5 2048 8 "${T5_PACKER:-nextfit}" packing+segment-attn dynamic dynamic+padded
+# packing: the packer with the most real tokens per slot on the timed batches (the bench picks it)
+bench gpt 4096 16 "${GPT_PACKER:-best}" packing+segment-attn dynamic dynamic+padded
+bench t5 2048 8 "${T5_PACKER:-best}" packing+segment-attn dynamic dynamic+padded
 
 say "done; results in $out"
 ls -la "$out"
