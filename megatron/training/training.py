@@ -32,7 +32,7 @@ from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler
 from megatron.data.split import PARTS, parse_split, split_indices
-from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
+from megatron.data.tokenizers import TokenizerError, build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
@@ -133,8 +133,11 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
             dataset = BlendedMultiTaskDataset([prefix for _, prefix in blend])
     except (OSError, ValueError) as exc:
         raise RunSetupError(f"{where}: {exc}") from exc
-    tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
-                                cfg.tokenizer_model, cfg.vocab_extra_ids)
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
+                                    cfg.tokenizer_model, cfg.vocab_extra_ids)
+    except TokenizerError as exc:   # every rank reads the same files: a set-up error
+        raise RunSetupError(f"rank {rank}: --tokenizer-type {cfg.tokenizer_type}: {exc}") from exc
     if dataset.tokenizer_info.get("type") != cfg.tokenizer_type:
         raise RunSetupError(f"{where}: the dataset was tokenised with "
                             f"{dataset.tokenizer_info.get('type')}, this run uses "
