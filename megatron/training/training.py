@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -585,7 +584,6 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     """One iteration on this rank: plan, tensors, executor, gradient reduce, optimizer step.
     Its stats carry where the time went on this rank (step_timing.PARTS)."""
     cfg, layout = run.cfg, run.layout
-    start = time.perf_counter()
     clock = StepClock()
     delivered = run.plans.fetch(iteration)
     clock.lap("plan_wait")
@@ -626,7 +624,7 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
         iteration=iteration + 1, train_iters=cfg.train_iters, loss=loss, lr=step["lr"],
         grad_norm=step["grad_norm"], real_tokens=real_tokens,
         token_slots=slots, num_micro_batches=count, shapes=shapes,
-        plan_wait_s=delivered.wait_s, iteration_s=time.perf_counter() - start,
+        plan_wait_s=delivered.wait_s, iteration_s=clock.elapsed,
         peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts,
         executor_cpu_s=clock.executor_cpu_s)
 
