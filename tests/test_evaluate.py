@@ -16,10 +16,11 @@ from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401 - 
 
 transformers = pytest.importorskip("transformers")
 
-# 2 layers, hidden 24, 3 heads, the dataset's 1000-token vocabulary, 128 positions; the
-# vocabulary is padded to a multiple of 8 (none), so the loss is transformers' exactly
-SHAPE = (2, 24, 3, 1000, 128)
-VOCAB_FLAGS = ["--make-vocab-size-divisible-by", "8"]
+# 2 layers, hidden 24, 4 heads, the dataset's 1000-token vocabulary, 128 positions; the
+# vocabulary is padded to a multiple of 4 x TP (none at TP 1 and 2), so the loss is
+# transformers' exactly
+SHAPE = (2, 24, 4, 1000, 128)
+VOCAB_FLAGS = ["--make-vocab-size-divisible-by", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,11 @@ def test_evaluate_needs_a_checkpoint_and_pp1_for_logits(converted, sp_dataset,  
     done = evaluate(args + ["--print-logits", "1", "--pipeline-model-parallel-size", "2"])
     assert done.returncode == 2
     assert "--print-logits needs --pipeline-model-parallel-size 1" in done.stderr
+    done = evaluate(args + ["--seq-length", "0"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "tools/evaluate.py: error: --seq-length must be > 0, got 0 (leave the flag out for its "
+        "default)"]
     done = evaluate(args[:at + 1] + [str(tmp_path / "nothing")] + args[at + 2:])
     assert done.returncode == 2 and "nothing" in done.stderr
     assert "Traceback" not in done.stderr

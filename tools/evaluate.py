@@ -43,7 +43,8 @@ def evaluation_config(model: str, argv):
     """The trainer's config for evaluating --load: weights only (--finetune), validation on
     every call, no saving, planning inline. --train-iters is not needed (1 unless given)."""
     from megatron.training.arguments import ConfigError, parse_args
-    cfg = parse_args(model, ["--train-iters", "1", "--num-planner-workers", "0", *argv])
+    cfg = parse_args(model, ["--train-iters", "1", "--num-planner-workers", "0", *argv],
+                     prog="tools/evaluate.py")
     if not cfg.load:
         raise ConfigError("--load DIR is required: the checkpoint to evaluate")
     if cfg.save:

@@ -683,10 +683,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None
-               ) -> TrainConfig:
-    """Parse and validate; a bad value exits with status 2 and a message naming the flag."""
+def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None,
+               prog: str | None = None) -> TrainConfig:
+    """Parse and validate; a bad value exits with status 2 and a message naming the flag
+    (`prog`: the program its messages name, default pretrain_<model>.py)."""
     parser = build_parser(model)
+    parser.prog = prog or parser.prog
     args = parser.parse_args(argv)
     asked = has_cuda is None
     if asked:
