@@ -135,3 +135,28 @@ def test_evaluate_needs_a_checkpoint_and_pp1_for_logits(converted, sp_dataset,  
     done = evaluate(args[:at + 1] + [str(tmp_path / "nothing")] + args[at + 2:])
     assert done.returncode == 2 and "nothing" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_trained_t5_checkpoint_evaluates_to_the_validation_loss_of_its_run(
+        sp_dataset, tmp_path):  # noqa: F811
+    """pretrain_t5.py validates after its last iteration and saves that checkpoint; the tool
+    on the checkpoint, with the same validation data and batches, gives the same loss."""
+    from tests.test_training import TINY_MODEL, torchrun
+    prefix = sp_dataset[sp_dataset.index("--data-path") + 1]
+    model = TINY_MODEL + ["--num-layers", "1", "--encoder-seq-length", "128",
+                          "--decoder-seq-length", "32", "--valid-data-path", prefix,
+                          "--eval-iters", "2"]
+    ckpt = tmp_path / "ckpt"
+    torchrun("pretrain_t5.py", sp_dataset + model + ["--train-iters", "2", "--eval-interval",
+                                                     "2", "--save", str(ckpt)],
+             tmp_path / "train.jsonl", nproc=1)
+    records = [json.loads(line) for line in open(tmp_path / "train.jsonl")]
+    trained = [r["validation"]["loss"] for r in records if "validation" in r]
+    done = evaluate(["--model", "t5", "--load", str(ckpt), *sp_dataset, *model,
+                     "--stats-file", str(tmp_path / "eval.jsonl"), "--print-logits", "1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "eval.jsonl").read_text())["loss"] == pytest.approx(
+        trained[-1], rel=1e-6)
+    printed = json.loads(done.stdout.strip().splitlines()[1])
+    assert printed["encoder_tokens"] and len(printed["top_ids"]) == len(printed["tokens"])
