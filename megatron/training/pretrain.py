@@ -56,13 +56,13 @@ def parse_flags_once(model: str, argv, rank: int, parse_args):
 
 def report_failure(prog: str, exc: BaseException, debug: bool, setup: bool,
                    rank: int | None = None) -> None:
-    """One line on stderr, written at once (the exception type too, unless it is a set-up
-    error, and the rank of a multi-rank run unless the message names it); with debug the
-    traceback first."""
+    """One line on stderr, written at once (unless it is a set-up error, which every rank
+    finds alike: the exception type, and the rank of a multi-rank run where the message does
+    not name it); with debug the traceback first."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     what = str(exc) if setup else f"{type(exc).__name__}: {exc}"
-    if rank is not None and not what.startswith(("rank ", f"{type(exc).__name__}: rank ")):
+    if rank is not None and not setup and not what.startswith(f"{type(exc).__name__}: rank "):
         what = f"rank {rank}: {what}"
     hint = "" if debug else " (--debug shows the traceback)"
     line = f"{prog}: error: {what}".replace("\n", " ") + hint + "\n"
