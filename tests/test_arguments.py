@@ -117,6 +117,23 @@ def test_save_interval_needs_a_directory(capsys):
                                                                     ["--save-interval", "5"])
 
 
+@pytest.mark.parametrize("model,flag,value", [
+    ("gpt", "--seq-length", "0"), ("gpt", "--tokens-per-global-batch", "0"),
+    ("gpt", "--distributed-timeout-minutes", "0"), ("gpt", "--ffn-hidden-size", "0"),
+    ("gpt", "--max-position-embeddings", "0"), ("gpt", "--kv-channels", "0"),
+    ("gpt", "--num-layers", "0"), ("gpt", "--global-batch-size", "0"),
+    ("gpt", "--lr-wsd-decay-iters", "0"), ("gpt", "--seq-length", "-3"),
+    ("t5", "--seq-length", "0"), ("t5", "--encoder-seq-length", "0"),
+    ("t5", "--decoder-seq-length", "0"), ("t5", "--encoder-num-layers", "0"),
+    ("t5", "--decoder-num-layers", "0"),
+])
+def test_zero_where_it_means_nothing_is_an_error_not_the_default(capsys, model, flag, value):
+    """`x or default` turned these into their defaults; a 0 the user wrote names the flag."""
+    err = parse_or_exit_message(capsys, model, [flag, value])
+    assert f"--{flag[2:]} must be > 0, got {value}" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_world_size_must_be_divisible_by_tp_times_pp():
     cfg = parse_args("gpt", BASE + ["--tensor-model-parallel-size", "2",
                                     "--pipeline-model-parallel-size", "2"], has_cuda=False)

@@ -62,3 +62,40 @@ def test_default_run_prints_no_warnings(sp_dataset, tmp_path):  # noqa: F811
     assert "iter 2/2" in done.stdout
     assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
     assert "warning" not in done.stdout.lower()
+
+
+@pytest.mark.slow
+def test_a_flag_error_under_torchrun_is_printed_once(tmp_path):
+    """parse_args runs on every rank; before, each printed the same error (and usage)."""
+    done = launch(TINY + ["--data-path", str(tmp_path / "nowhere"), "--train-iters", "2",
+                          "--tokens-per-global-batch", "0"], nproc=2)
+    assert done.returncode != 0
+    lines = error_lines(done.stdout + done.stderr)
+    assert lines == ["pretrain_gpt.py: error: --tokens-per-global-batch must be > 0, got 0 "
+                     "(leave the flag out for its default)"], done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_broken_tokenizer_file_under_torchrun_is_one_line_naming_it(sp_dataset,  # noqa: F811
+                                                                      tmp_path):
+    bad = tmp_path / "sp.model"
+    bad.write_bytes(bytes(range(256)) * 8)
+    args = list(sp_dataset)
+    args[args.index("--tokenizer-model") + 1] = str(bad)
+    done = launch(TINY + args + ["--train-iters", "2"], nproc=2)
+    assert done.returncode != 0
+    lines = error_lines(done.stdout + done.stderr)
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"pretrain_gpt.py: error: rank 0: --tokenizer-type "
+                               f"SentencePieceTokenizer: {bad}: not a SentencePiece model")
+
+
+def test_an_error_of_one_rank_is_one_write_naming_the_rank(capfd):
+    """Lines of two ranks on one stderr must not run together: the whole line is one write,
+    and it says which rank failed."""
+    from megatron.training.pretrain import report_failure
+    report_failure("pretrain_gpt.py", RuntimeError("bad\nthing"), False, False, rank=1)
+    report_failure("pretrain_gpt.py", RuntimeError("rank 0 (tp 0): x"), False, False, rank=0)
+    assert capfd.readouterr().err.splitlines() == [
+        "pretrain_gpt.py: error: rank 1: RuntimeError: bad thing (--debug shows the traceback)",
+        "pretrain_gpt.py: error: RuntimeError: rank 0 (tp 0): x (--debug shows the traceback)"]

@@ -151,6 +151,8 @@ def test_cli_corrupt_line_exits_nonzero_naming_the_line_and_skip_bad_reports_it(
     ('{"inputs": "a", "targets": ["b"], "task": "t"}', "non-string field"),
     ('{"inputs": "a", "targets": "", "task": "t"}', "empty target"),
     ('"just a string"', "not a JSON object"),
+    ('{"inputs": "a\\ud800b", "targets": "b", "task": "t"}', "lone surrogate"),
+    pytest.param("[" * 200_000, "json nested too deep", id="nested-200k-deep"),
 ])
 def test_bad_lines_fail_by_default_and_are_counted_with_skip_bad(tmp_path, samples, capsys,
                                                                   bad, reason):
@@ -164,6 +166,67 @@ def test_bad_lines_fail_by_default_and_are_counted_with_skip_bad(tmp_path, sampl
                                  "--skip-bad"]) == 0
     assert f"rejected ({reason}): 1" in capsys.readouterr().out
     assert MultiTaskDataset(prefix).__len__() == 20
+
+
+def test_a_record_the_tokenizer_fails_on_is_a_rejection_naming_file_and_line():
+    """The reader refuses lone surrogates before tokenising; a record that reaches the tokenizer
+    with one anyway (the real GPT-2 tokenizer raises TypeError on it) still comes back as a
+    rejection naming its file and line, and the records around it are tokenised."""
+    from megatron.data.flan_preprocess import tokenize_records
+    from megatron.data.flan_records import TOKENIZER_ERROR, FlanRecord, Rejection
+    recs = [FlanRecord(text, "b", "t", "", "", "dump.jsonl", line)
+            for line, text in enumerate(["hello", "a\ud800b", "world"], start=1)]
+    out = list(tokenize_records(recs, {"tokenizer_type": "GPT2BPETokenizer"}, chunk_size=8))
+    assert isinstance(out[1], Rejection)
+    assert (out[1].path, out[1].line, out[1].reason) == ("dump.jsonl", 2, TOKENIZER_ERROR)
+    assert str(out[1].error()).startswith("dump.jsonl:2: tokenizer error: TypeError")
+    tokenizer = build_tokenizer("GPT2BPETokenizer")
+    assert [(r.line, i.tolist(), t.tolist()) for r, i, t in (out[0], out[2])] == [
+        (1, tokenizer.encode("hello"), tokenizer.encode("b")),
+        (3, tokenizer.encode("world"), tokenizer.encode("b"))]
+
+
+def test_a_bigbench_dump_with_an_empty_sample_preprocesses_by_default(tmp_path, capsys):
+    """A real BIG-bench dump holds a sample whose input and target are both empty (one in
+    8,040): the default run writes every other sample and counts it in the summary."""
+    task = {"name": "arith", "examples": [{"input": f"{i}+{i}", "target": str(2 * i)}
+                                          for i in range(12)]}
+    os.makedirs(tmp_path / "bb" / "arith")
+    (tmp_path / "bb" / "arith" / "task.json").write_text(json.dumps(task))
+    made = tmp_path / "made.jsonl"
+    assert make_flan_sample.main(["--output", str(made), "--bigbench-dir", str(tmp_path / "bb"),
+                                  "--num-samples", "0"]) == 0
+    lines = made.read_text().splitlines()
+    empty = dict(json.loads(lines[0]), inputs="", targets="")
+    lines.insert(5, json.dumps(empty))   # line 6
+    dump = tmp_path / "bigbench.jsonl"
+    dump.write_text("\n".join(lines) + "\n")
+    prefix = str(tmp_path / "flan")
+    capsys.readouterr()
+    assert preprocess_flan.main(["--input", str(dump), "--output-prefix", prefix,
+                                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "rejected (empty sample): 1" in out
+    summary = json.load(open(dataset_paths(prefix)[1]["summary"]))
+    assert summary["samples"] == {"read": len(lines), "written": len(lines) - 1, "rejected": 1,
+                                  "rejected_by_reason": {"empty sample": 1}}
+    kept = [json.loads(line) for i, line in enumerate(lines) if i != 5]
+    assert_matches_direct_tokenisation(prefix, [dict(r, task=r["_task_name"]) for r in kept],
+                                       build_tokenizer("GPT2BPETokenizer"))
+
+
+def test_a_sample_that_tokenises_to_nothing_at_all_is_skipped_by_default(tmp_path, samples,
+                                                                         capsys):
+    model = train_sentencepiece([s["inputs"] for s in samples[:50]], str(tmp_path / "sp"),
+                                vocab_size=500)["model"]
+    dump = dump_with_bad_line(tmp_path, samples, '{"inputs": "", "targets": "\\u200b", '
+                                                 '"task": "t"}')
+    assert preprocess_flan.main(["--input", dump, "--output-prefix", str(tmp_path / "flan"),
+                                 "--no-progress", "--tokenizer-type", "SentencePieceTokenizer",
+                                 "--tokenizer-model", model]) == 0
+    summary = json.load(open(dataset_paths(str(tmp_path / "flan"))[1]["summary"]))
+    assert summary["samples"]["rejected_by_reason"] == {"empty sample": 1}
+    assert len(MultiTaskDataset(str(tmp_path / "flan"))) == 20
 
 
 def test_target_that_tokenises_to_nothing_is_rejected(tmp_path, samples, capsys):

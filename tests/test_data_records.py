@@ -61,6 +61,13 @@ BAD_LINES = [
     (json.dumps({"inputs": "a", "targets": "b", "task": "t", "_task_source": 5}),
      fr.NON_STRING_FIELD),
     (json.dumps({"inputs": "a", "targets": "", "task": "t"}), fr.EMPTY_TARGET),
+    pytest.param('{"inputs": "a\\ud800b", "targets": "b", "task": "t"}', fr.LONE_SURROGATE,
+                 id="lone-surrogate-in-inputs"),
+    pytest.param('{"inputs": "a", "targets": "b", "task": "t\\udfff"}', fr.LONE_SURROGATE,
+                 id="lone-surrogate-in-task"),
+    pytest.param("[" * 200_000 + "]" * 200_000, fr.NESTED_TOO_DEEP, id="nested-200k-deep"),
+    pytest.param('{"inputs": "a", "targets": "b", "task": "t", "n": ' + "7" * 5000 + "}",
+                 fr.MALFORMED_JSON, id="int-of-5000-digits"),
 ]
 GOOD = json.dumps({"inputs": "a", "targets": "b", "task": "t"})
 
@@ -71,6 +78,28 @@ def test_empty_input_with_a_target_is_a_valid_zero_shot_sample(tmp_path):
     assert [(r.inputs, r.targets, r.line) for r in recs] == [("a", "b", 1), ("", "b", 2),
                                                               ("a", "b", 3)]
     assert counts.read == 3 and not counts.rejected
+
+
+def test_lone_surrogate_is_named_with_its_field_and_position(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, '{"inputs": "a\\ud800b", "targets": "b", '
+                                              '"task": "t"}'])
+    with pytest.raises(fr.BadInputError) as err:
+        read_all([path])
+    assert str(err.value) == f"{path}:2: lone surrogate: 'inputs' holds '\\ud800' at character 1"
+    surrogate_pair = '{"inputs": "\\ud83d\\ude00", "targets": "b", "task": "t"}'   # an emoji
+    recs, counts = read_all([write_lines(tmp_path / "e.jsonl", [surrogate_pair])])
+    assert recs[0].inputs == "\U0001F600" and not counts.rejected
+
+
+@pytest.mark.parametrize("empty", [{"inputs": "", "targets": ""},
+                                   {"inputs": " ", "targets": "\n"}])
+def test_a_sample_with_nothing_in_it_is_skipped_and_counted_by_default(tmp_path, empty):
+    line = json.dumps({**empty, "task": "t"})
+    recs, counts = read_all([write_lines(tmp_path / "d.jsonl", [GOOD, line, GOOD])])
+    assert [r.line for r in recs] == [1, 3]
+    assert counts.rejected == Counter({fr.EMPTY_SAMPLE: 1})
+    assert counts.first_seen[fr.EMPTY_SAMPLE] == f"{tmp_path / 'd.jsonl'}:2"
+    assert counts.files_read == 1
 
 
 @pytest.mark.parametrize("bad,reason", BAD_LINES)

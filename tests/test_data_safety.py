@@ -362,3 +362,25 @@ def test_read_only_output_folder_is_one_line_naming_it(tmp_path):
     assert res.stderr.strip().splitlines() == [
         f"error: cannot write the dataset into {out}: Permission denied "
         "(pick a writable --output-prefix)"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    ('{"inputs": "a\\ud800b", "targets": "b", "task": "t"}',
+     "lone surrogate: 'inputs' holds '\\ud800' at character 1"),
+    ("[" * 200_000 + "]" * 200_000, "json nested too deep"),
+])
+def test_text_python_cannot_hold_is_one_line_naming_file_and_line(tmp_path, bad, message):
+    """A lone UTF-16 surrogate and JSON nested 200k deep were tracebacks naming no file; now
+    one line naming FILE:LINE, and counted under --skip-bad (in a subprocess, as users run it)."""
+    dump = tmp_path / "d.jsonl"
+    dump.write_text("\n".join(rows(SAMPLES[:3]) + [bad] + rows(SAMPLES[3:5])) + "\n")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_flan.py"), "--no-progress",
+           "--input", str(dump), "--output-prefix", str(tmp_path / "flan")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[0].startswith(f"error: {dump}:4: {message}")
+    assert "Traceback" not in res.stderr
+    res = subprocess.run(cmd + ["--skip-bad"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"rejected ({message.split(':')[0]}): 1" in res.stdout
+    assert len(MultiTaskDataset(str(tmp_path / "flan"))) == 5

@@ -69,23 +69,31 @@ def test_migrate_from_a_forced_uneven_partition_trains_like_even_tp(sp_dataset):
 def test_resize_skips_straggler_units_and_keeps_collective_shapes(sp_dataset,  # noqa: F811
                                                                   monkeypatch):
     monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
+    monkeypatch.setenv("FLEXTP_CLOCK", "modelled")   # the same figures on a loaded machine
     argv = sp_dataset + LAYOUT + ["--train-iters", "9", "--tp-balance", "resize",
                                   "--flextp-interval", "1", "--flextp-patience", "2"]
     ranks = run_in_processes(_train, 4, (argv,), timeout_s=400)
     for rank, r in enumerate(ranks):
         assert all(math.isfinite(x) for x in r["losses"])
-        last = r["history"][-1]
-        # the switch slows the GEMMs of TP rank 1 (ranks 1 and 3) 20x: found from measured times
-        assert last["stragglers"] == [1], r["history"]
-        assert last["counts"] == {"attn": [2, 2], "mlp": [16, 16]}      # nothing moved
-        resized = [h for h in r["history"] if h["action"] and h["action"]["mlp"] == "resize"]
-        assert resized, r["history"]
+        history = r["history"]
+        # TP rank 1 (ranks 1 and 3) computes 20x slower: after the 3 warm-up iterations, 2 in
+        # a row (the patience) make it a straggler at the 5th, and it stays one
+        assert [h["stragglers"] for h in history] == [[]] * 4 + [[1]] * 5, history
+        assert history[-1]["counts"] == {"attn": [2, 2], "mlp": [16, 16]}      # nothing moved
+        resized = [i for i, h in enumerate(history)
+                   if h["action"] and h["action"]["mlp"] == "resize"]
+        assert resized and resized[0] == 4, history
         # the straggler skips a quarter of its 16 MLP units (the bound) and none of its 2
         # heads (a quarter of 2 rounds down to 0); the fast rank skips nothing
-        assert resized[-1]["drops"] == ({"attn": [0], "mlp": [4]} if rank % 2 == 1
-                                        else {"attn": [0], "mlp": [0]})
-        # what rank 1 then computes is less: the work figure both TP ranks see drops
-        assert resized[-1]["work"][1] < resized[-1]["work"][0]
+        assert history[resized[0]]["drops"] == ({"attn": [0], "mlp": [4]} if rank % 2 == 1
+                                                else {"attn": [0], "mlp": [0]})
+        # from the next iteration on, rank 1 computes less: of its 16 MLP units of 4 x 2
+        # columns x hidden 32 (256 MACs per token) and 2 heads of (3 x 8 + 8) x 32 MACs, it
+        # skips 4 units: 5120 against the fast rank's 6144 MACs per token, which both TP ranks
+        # see (the work figure of the deciding iteration itself is the one before the skips)
+        before, after = history[resized[0]]["work"], history[resized[0] + 1]["work"]
+        assert before[1] == before[0]
+        assert after[1] / after[0] == pytest.approx(5120 / 6144, rel=1e-12)
         # every all-reduce of a slot linear has the layer's [s, b] rows and the hidden size
         assert r["shapes"] and all(red == rows + (32,) for rows, red in r["shapes"])
     # the collectives agree: both TP ranks of a stage reduced the same shapes in the same order
@@ -116,6 +124,7 @@ def test_straggler_migration_with_data_parallel_trains_like_even_tp(sp_dataset, 
     argv = sp_dataset + MODEL + ["--train-iters", "8"]
     even = run_in_processes(_train, 4, (argv,), timeout_s=400)
     monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
+    monkeypatch.setenv("FLEXTP_CLOCK", "modelled")   # the same figures on a loaded machine
     balance = ["--flextp-interval", "2", "--flextp-patience", "2"]
     flex = run_in_processes(_train, 4, (argv + ["--tp-balance", "migrate", *balance],),
                             timeout_s=400)
@@ -171,14 +180,15 @@ def test_validation_computes_every_unit_then_resizing_resumes():
 HIDDEN, UNIT, CAP = 8, 5, 3          # 3 slots of 5 columns; this rank uses 2 of 4 units
 
 
-def _slot_pair(seed: int, imputes: bool = True):
+def _slot_pair(seed: int, imputes: bool = True, **timing):
     """An MLP FlexPair (rank 0 of 2, 4 units) with its slot linears on fresh parameters; the
     spare slot is empty, as convert_stages leaves it."""
     import torch
     from dynapipe_ext.flextp.partition import even_partition
     from megatron.flextp.stage_layers import FlexPair, SlotColumn, SlotRow
     torch.manual_seed(seed)
-    pair = FlexPair("mlp", even_partition(4, 2), 0, CAP, UNIT, UNIT, HIDDEN, imputes=imputes)
+    pair = FlexPair("mlp", even_partition(4, 2), 0, CAP, UNIT, UNIT, HIDDEN, imputes=imputes,
+                    **timing)
     col_w = torch.nn.Parameter(torch.randn(CAP * UNIT, HIDDEN))
     col_b = torch.nn.Parameter(torch.randn(CAP * UNIT))
     row_w = torch.nn.Parameter(torch.randn(HIDDEN, CAP * UNIT))
@@ -255,6 +265,34 @@ def test_imputation_is_recorded_by_training_forwards_where_units_may_be_skipped(
         assert quiet.seconds > 0 and quiet.tokens == 4      # the timer saw the forward
         quiet.reset_timer()
         assert quiet.seconds == quiet.work == quiet.tokens == 0
+
+
+def test_the_modelled_clock_reports_work_over_speed_and_redoes_no_gemm(monkeypatch):
+    """FLEXTP_CLOCK=modelled: a pair's seconds are its work at 1 GMAC/s times the slow-down
+    factor, exactly, whatever the machine's load; the switch then costs no compute (no GEMM
+    is redone: the backward hook that would redo them is not there) and semi's link figure is
+    the modelled one, with no collective."""
+    import torch
+    from megatron.flextp.balance import measure_bandwidth
+    from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock
+    from tests.multiproc import single_process_world
+
+    with single_process_world(3):
+        x = torch.randn(5, 2, HIDDEN, requires_grad=True)
+        slow, _ = _slot_pair(1, slowdown=3, modelled=True)
+        out = slow.column(x)[0]
+        assert not out._backward_hooks
+        slow.row(torch.nn.functional.gelu(out))
+        # 10 tokens x 2 computed units x (UNIT + UNIT) x HIDDEN MACs per unit and token
+        assert slow.work == 10 * 2 * 2 * UNIT * HIDDEN
+        assert slow.seconds == pytest.approx(slow.work * 3 * 1e-9, rel=1e-12)
+        measured, _ = _slot_pair(1, slowdown=3)
+        assert measured.column(x)[0]._backward_hooks    # the switch redoes GEMMs backward
+    monkeypatch.setenv("FLEXTP_CLOCK", "modelled")
+    assert modelled_clock() and measure_bandwidth(group=None) == MODELLED_BANDWIDTH
+    assert not modelled_clock("") and not modelled_clock("measured")
+    with pytest.raises(ValueError, match="FLEXTP_CLOCK='fast'"):
+        modelled_clock("fast")
 
 
 @pytest.mark.slow

@@ -75,10 +75,15 @@ def test_resume_at_iteration_k_matches_uninterrupted_run():
 def test_get_reports_wait_and_planning_time():
     with PlanAhead(digest_plan, lengths_of, num_workers=1, prefetch=2).start(0) as planner:
         first = planner.get(0)
-        time.sleep(0.3)  # "training": the next plans finish meanwhile
+        # "training" until the next plan is finished (a fixed sleep is not enough for a
+        # worker process on a loaded machine)
+        deadline = time.monotonic() + 60
+        while not planner.is_ready(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert planner.is_ready(1)
         second = planner.get(1)
     assert first.wait_s >= 0 and first.plan_s > 0
-    assert second.wait_s < 0.1
+    assert second.wait_s < 0.1     # a finished plan is handed over without waiting
 
 
 def test_prefetch_bounds_submitted_iterations():

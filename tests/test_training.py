@@ -424,6 +424,59 @@ def test_dataset_of_another_tokenizer_is_rejected(monkeypatch, sp_dataset, tmp_p
     assert "vocabulary of 1000 tokens" in msg and "has 800" in msg
 
 
+def copy_dataset(data_path_args, to):
+    """A copy of sp_dataset's dataset (manifest and data folder) under `to`; its files."""
+    import glob
+    import shutil
+    prefix = data_path_args[data_path_args.index("--data-path") + 1]
+    os.makedirs(to)
+    for path in glob.glob(prefix + "*"):
+        (shutil.copytree if os.path.isdir(path) else shutil.copy)(
+            path, os.path.join(to, os.path.basename(path)))
+    args = list(data_path_args)
+    args[args.index("--data-path") + 1] = os.path.join(to, "flan")
+    folder = glob.glob(os.path.join(to, "flan.data-*"))[0]
+    return args, folder
+
+
+@pytest.mark.parametrize("damage,named", [
+    ("inputs.idx", "inputs.idx: cannot read it (ValueError: not a Megatron indexed dataset "
+                   "index (bad header))"),
+    ("task_ids.npy", "task_ids.npy: cannot read it"),
+])
+def test_a_damaged_dataset_file_of_the_right_size_is_named(monkeypatch, sp_dataset, tmp_path,
+                                                          damage, named):
+    """Same size as the manifest says, other bytes: megatron-core's assert or numpy's error
+    named no file (and the assert was printed by every rank); now a set-up error naming it."""
+    args, folder = copy_dataset(sp_dataset, str(tmp_path / "copy"))
+    with open(os.path.join(folder, damage), "r+b") as f:
+        f.write(b"XXXXXXXXXX")
+    msg = setup_error(monkeypatch, "gpt", args)
+    assert f"rank 1: --data-path {tmp_path}/copy/flan: {folder}/{named}" in msg
+
+
+def test_a_damaged_manifest_is_named(monkeypatch, sp_dataset, tmp_path):
+    args, _ = copy_dataset(sp_dataset, str(tmp_path / "copy"))
+    manifest = tmp_path / "copy" / "flan_tasks.json"
+    table = json.loads(manifest.read_text())
+    del table["files"]
+    manifest.write_text(json.dumps(table))
+    msg = setup_error(monkeypatch, "gpt", args)
+    assert f"{manifest}: a damaged manifest (its data_dir / files entries: KeyError" in msg
+
+
+def test_a_tokenizer_file_that_is_no_tokenizer_is_a_set_up_error_naming_it(monkeypatch,
+                                                                            sp_dataset,
+                                                                            tmp_path):
+    bad = tmp_path / "sp.model"
+    bad.write_bytes(bytes(range(256)) * 8)
+    args = list(sp_dataset)
+    args[args.index("--tokenizer-model") + 1] = str(bad)
+    msg = setup_error(monkeypatch, "gpt", args)
+    assert msg.startswith(f"rank 1: --tokenizer-type SentencePieceTokenizer: {bad}: not a "
+                          f"SentencePiece model")
+
+
 def test_world_size_not_divisible_by_tp_times_pp_fails_before_any_collective(monkeypatch,
                                                                              sp_dataset):
     msg = setup_error(monkeypatch, "gpt", sp_dataset + ["--pipeline-model-parallel-size", "2"],

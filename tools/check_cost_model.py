@@ -61,7 +61,7 @@ def parse(argv=None):
                         "(to re-check a changed cost model without timing again)")
     args = parser.parse_args((argv if argv is not None else sys.argv[1:])[1:])
     args.data_path = args.data_path or ["unused"]
-    args.train_iters = args.train_iters or 1
+    args.train_iters = 1 if args.train_iters is None else args.train_iters
     if args.cost_model in (None, "analytic"):     # the profile is what it checks
         args.cost_model = "profile"
     try:

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="pack length (default: the histogram's max_len)")
     parser.add_argument("--seed", type=int, default=1234, help="shuffle seed for nextfit")
     args = parser.parse_args(argv)
+    if args.row_len is not None and args.row_len <= 0:
+        parser.error(f"--row-len must be > 0, got {args.row_len} (leave it out for the "
+                     f"histogram's max_len)")
 
     if args.histograms is not None:
         if not args.name:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         hist, max_len = dataset_histogram(args.from_dataset, args.seq_length)
         args.name = args.from_dataset
         args.histograms = args.from_dataset
-    row_len = args.row_len or max_len
+    row_len = max_len if args.row_len is None else args.row_len
     try:
         if args.algorithm == "nextfit":
             figures = next_fit_figures(hist, row_len, args.max_depth, args.seed)

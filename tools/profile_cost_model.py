@@ -83,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    for name in ("num_layers", "decoder_num_layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if max(args.seq_lengths + (args.dec_seq_lengths if args.model == "t5" else [])) > \
             args.max_position_embeddings:
         p.error(f"grid lengths exceed --max-position-embeddings {args.max_position_embeddings}")
@@ -93,7 +97,8 @@ def model_spec(args) -> ModelSpec:
     return ModelSpec(model=args.model, num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      vocab_size=args.vocab_size,
-                     num_decoder_layers=(args.decoder_num_layers or args.num_layers)
+                     num_decoder_layers=(args.num_layers if args.decoder_num_layers is None
+                                        else args.decoder_num_layers)
                      if args.model == "t5" else 0,
                      ffn_hidden_size=args.ffn_hidden_size,
                      max_position_embeddings=args.max_position_embeddings)

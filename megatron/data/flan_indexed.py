@@ -306,9 +306,14 @@ def dataset_paths(prefix: str) -> tuple[dict, dict[str, str]]:
     if table.get("format") != TABLE_FORMAT:
         raise ValueError(f"{manifest}: format {table.get('format')!r}, expected "
                          f"{TABLE_FORMAT!r}")
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(prefix)), str(table["data_dir"]))
+    try:
+        data_dir = os.path.join(os.path.dirname(os.path.abspath(prefix)), str(table["data_dir"]))
+        files = {str(name): int(size) for name, size in table["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{manifest}: a damaged manifest (its data_dir / files entries: "
+                         f"{type(exc).__name__}: {exc}); {build}") from exc
     problems = []
-    for name, size in table["files"].items():
+    for name, size in files.items():
         path = os.path.join(data_dir, name)
         if not os.path.exists(path):
             problems.append(f"{path} is missing")

@@ -12,13 +12,14 @@ from contextlib import closing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from megatron.data.flan_indexed import TABLE_FORMAT, FlanDatasetWriter, dataset_files
-from megatron.data.flan_records import (EMPTY_TARGET, BadInputError, FlanRecord,
-                                        ReadCounts, read_records)
+from megatron.data.flan_records import (EMPTY_SAMPLE, EMPTY_TARGET, SKIPPED_BY_DEFAULT,
+                                        TOKENIZER_ERROR, BadInputError, FlanRecord,
+                                        ReadCounts, Rejection, read_records)
 from megatron.data.tokenizers import build_tokenizer
 
 PERCENTILES = (50, 90, 99)
@@ -41,11 +42,34 @@ def _init_worker(tokenizer_spec: dict, parent_pid: Optional[int] = None) -> None
     _worker_tokenizer = build_tokenizer(**tokenizer_spec)
 
 
-def _tokenize_pairs(pairs: Sequence[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    inputs = _worker_tokenizer.encode_batch([p[0] for p in pairs])
-    targets = _worker_tokenizer.encode_batch([p[1] for p in pairs])
-    return [(np.asarray(i, dtype=np.int32), np.asarray(t, dtype=np.int32))
-            for i, t in zip(inputs, targets)]
+def _tokenize_pairs(pairs: Sequence[tuple[str, str]]
+                    ) -> list[Union[tuple[np.ndarray, np.ndarray], str]]:
+    """(input ids, target ids) per pair, or the tokenizer's error text for a pair it fails on
+    (the batch is then encoded pair by pair to find which)."""
+    def ids(tokens):
+        return np.asarray(tokens, dtype=np.int32)
+
+    try:
+        inputs = _worker_tokenizer.encode_batch([p[0] for p in pairs])
+        targets = _worker_tokenizer.encode_batch([p[1] for p in pairs])
+        return [(ids(i), ids(t)) for i, t in zip(inputs, targets)]
+    except Exception:   # noqa: BLE001 - any tokenizer failure is a per-record rejection
+        pass
+    out: list = []
+    for pair in pairs:
+        try:
+            out.append((ids(_worker_tokenizer.encode(pair[0])),
+                        ids(_worker_tokenizer.encode(pair[1]))))
+        except Exception as exc:   # noqa: BLE001
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def _with_records(chunk: list[FlanRecord], results: list
+                  ) -> Iterator[Union[tuple[FlanRecord, np.ndarray, np.ndarray], Rejection]]:
+    for rec, result in zip(chunk, results):
+        yield (Rejection(rec.path, rec.line, TOKENIZER_ERROR, result)
+               if isinstance(result, str) else (rec, *result))
 
 
 def _chunks(records: Iterable[FlanRecord], size: int) -> Iterator[list[FlanRecord]]:
@@ -61,14 +85,15 @@ def _chunks(records: Iterable[FlanRecord], size: int) -> Iterator[list[FlanRecor
 
 def tokenize_records(records: Iterable[FlanRecord], tokenizer_spec: dict, workers: int = 1,
                      chunk_size: int = 256
-                     ) -> Iterator[tuple[FlanRecord, np.ndarray, np.ndarray]]:
-    """(record, input ids, target ids) in input order; workers > 1 tokenise in spawned
-    processes with a bounded number of chunks in flight."""
+                     ) -> Iterator[Union[tuple[FlanRecord, np.ndarray, np.ndarray], Rejection]]:
+    """(record, input ids, target ids) in input order, or a Rejection (FILE:LINE) for a
+    record the tokenizer fails on; workers > 1 tokenise in spawned processes with a bounded
+    number of chunks in flight."""
     if workers <= 1:
         _init_worker(tokenizer_spec)
         for chunk in _chunks(records, chunk_size):
-            yield from ((r, i, t) for r, (i, t) in zip(chunk, _tokenize_pairs(
-                [(r.inputs, r.targets) for r in chunk])))
+            yield from _with_records(chunk, _tokenize_pairs([(r.inputs, r.targets)
+                                                             for r in chunk]))
         return
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
                                initializer=_init_worker, initargs=(tokenizer_spec, os.getpid()))
@@ -82,15 +107,15 @@ def tokenize_records(records: Iterable[FlanRecord], tokenizer_spec: dict, worker
                 raise RuntimeError("a tokenizer worker process died (out of memory?) while "
                                    f"tokenising {chunk[0].path} lines {chunk[0].line}-"
                                    f"{chunk[-1].line}") from exc
-            return zip(chunk, results)
+            return _with_records(chunk, results)
 
         for chunk in _chunks(records, chunk_size):
             in_flight.append((chunk, pool.submit(_tokenize_pairs,
                                                  [(r.inputs, r.targets) for r in chunk])))
             if len(in_flight) > 2 * workers + 2:
-                yield from ((r, i, t) for r, (i, t) in drain_one())
+                yield from drain_one()
         while in_flight:
-            yield from ((r, i, t) for r, (i, t) in drain_one())
+            yield from drain_one()
     finally:
         for _, future in in_flight:
             future.cancel()
@@ -198,17 +223,26 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
     registry = _TaskRegistry()
     in_lens, tgt_lens, tids = array("i"), array("i"), array("i")
     records = read_records(paths, counts, skip_bad=skip_bad, task_field=task_field)
+
+    def reject(rejection: Rejection) -> None:
+        if not skip_bad and rejection.reason not in SKIPPED_BY_DEFAULT:
+            raise rejection.error()
+        counts.reject(rejection.reason, f"{rejection.path}:{rejection.line}")
+
     tokenized = tokenize_records(records, tokenizer_spec, workers, chunk_size)
     with FlanDatasetWriter(output_prefix, tokenizer.vocab_size) as writer, closing(tokenized):
         bar = tqdm(unit=" samples", disable=not progress, file=sys.stderr, mininterval=0.5,
                    desc="tokenising")
-        for rec, in_ids, tgt_ids in tokenized:
+        for item in tokenized:
             bar.update(1)
+            if isinstance(item, Rejection):
+                reject(item)
+                continue
+            rec, in_ids, tgt_ids = item
             if tgt_ids.size == 0:   # an input of no tokens is fine (the view adds what it needs)
-                if not skip_bad:
-                    raise BadInputError(rec.path, rec.line, EMPTY_TARGET,
-                                        "it tokenises to no tokens")
-                counts.reject(EMPTY_TARGET, f"{rec.path}:{rec.line}")
+                reject(Rejection(rec.path, rec.line,
+                                 EMPTY_SAMPLE if in_ids.size == 0 else EMPTY_TARGET,
+                                 "it tokenises to no tokens"))
                 continue
             tid = registry.add(rec)
             writer.add(in_ids, tgt_ids, tid)

@@ -3,7 +3,10 @@
 Every line (or parquet row) read is either a `FlanRecord` or a `Rejection` with a reason, so
 callers can account for all of them: read = written + rejected. An empty `inputs` with a
 non-empty target is a valid sample (real dumps hold zero-shot samples like that); an empty
-target is bad input, since there is nothing to train on."""
+target after a non-empty input is bad input, since there is nothing to train on. A sample with
+nothing in it (input and target both blank; real BIG-bench dumps hold a few) is skipped and
+counted, like a blank line. Every per-line failure (bytes, JSON, nesting depth, lone UTF-16
+surrogates, a tokenizer error) is a rejection naming FILE:LINE, never a bare traceback."""
 from __future__ import annotations
 
 import gzip
@@ -20,10 +23,14 @@ SOURCE_FIELDS = ("_task_source", "task_source")
 TEMPLATE_FIELDS = ("_template_type", "template_type")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
-# Per-record rejection reasons (fatal unless skip_bad, except "blank line").
+# Per-record rejection reasons (fatal unless skip_bad, except SKIPPED_BY_DEFAULT).
 BLANK_LINE = "blank line"
+EMPTY_SAMPLE = "empty sample"   # input and target both blank: nothing in it, nothing lost
 MALFORMED_JSON = "malformed json"
+NESTED_TOO_DEEP = "json nested too deep"
 INVALID_UTF8 = "invalid utf-8"
+LONE_SURROGATE = "lone surrogate"   # a JSON "\ud800" escape: no text, no UTF-8 encoding
+TOKENIZER_ERROR = "tokenizer error"
 NOT_AN_OBJECT = "not a JSON object"
 MISSING_FIELD = "missing field"
 NON_STRING_FIELD = "non-string field"
@@ -32,6 +39,8 @@ EMPTY_TARGET = "empty target"   # nothing to train on; an empty input is a valid
 UNREADABLE_FILE = "unreadable file"
 EMPTY_FILE = "empty file"
 UNSUPPORTED_FORMAT = "unsupported format"
+# Reasons counted and skipped even without skip_bad: they lose no data.
+SKIPPED_BY_DEFAULT = frozenset((BLANK_LINE, EMPTY_SAMPLE))
 
 
 class BadInputError(Exception):
@@ -114,6 +123,16 @@ def _first_present(row: dict, names: Sequence[str]) -> Optional[str]:
     return next((n for n in names if n in row), None)
 
 
+def lone_surrogate(text: str) -> Optional[str]:
+    """Where `text` holds a UTF-16 surrogate without its pair (JSON can escape one; no
+    encoding, hence no tokenizer, accepts it), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{text[exc.start]!r} at character {exc.start}"
+    return None
+
+
 def parse_row(row: object, path: str, line: int,
               task_field: Optional[str] = None) -> Union[FlanRecord, Rejection]:
     """Validate one decoded JSON value / parquet row into a record, or say why not."""
@@ -127,7 +146,7 @@ def parse_row(row: object, path: str, line: int,
         if not isinstance(row[key], str):
             return Rejection(path, line, NON_STRING_FIELD,
                              f"{key!r} is {type(row[key]).__name__}, not a string")
-    optional = {}
+    optional, texts = {}, {key: row[key] for key in ("inputs", "targets", task_key)}
     for names in (SOURCE_FIELDS, TEMPLATE_FIELDS):
         key = _first_present(row, names)
         value = row.get(key, "") if key else ""
@@ -136,7 +155,13 @@ def parse_row(row: object, path: str, line: int,
         if not isinstance(value, str):
             return Rejection(path, line, NON_STRING_FIELD,
                              f"{key!r} is {type(value).__name__}, not a string")
-        optional[names[0]] = value
+        optional[names[0]] = texts[key or names[0]] = value
+    for key, value in texts.items():
+        where = lone_surrogate(value)
+        if where:
+            return Rejection(path, line, LONE_SURROGATE, f"{key!r} holds {where}")
+    if not row["inputs"].strip() and not row["targets"].strip():
+        return Rejection(path, line, EMPTY_SAMPLE)
     if row["targets"] == "":   # an empty "inputs" is valid (a zero-shot sample: target only)
         return Rejection(path, line, EMPTY_TARGET)
     return FlanRecord(row["inputs"], row["targets"], row[task_key],
@@ -164,9 +189,18 @@ def _jsonl_rows(path: str, opener) -> Iterator[tuple[int, object]]:
                     yield line, Rejection(path, line, INVALID_UTF8, str(exc))
                     continue
                 try:
-                    yield line, json.loads(text)
+                    value = json.loads(text)
                 except json.JSONDecodeError as exc:
                     yield line, Rejection(path, line, MALFORMED_JSON, json_error_text(exc))
+                    continue
+                except RecursionError:
+                    yield line, Rejection(path, line, NESTED_TOO_DEEP,
+                                          "more levels of [ or { than Python's json decodes")
+                    continue
+                except ValueError as exc:   # e.g. an integer of more digits than int() takes
+                    yield line, Rejection(path, line, MALFORMED_JSON, str(exc))
+                    continue
+                yield line, value
     except (OSError, EOFError, zlib.error) as exc:   # also gzip.BadGzipFile, an OSError
         raise BadInputError(path, line + 1 if line else None, UNREADABLE_FILE, str(exc)) from exc
 
@@ -209,7 +243,7 @@ def read_records(paths: Sequence[str], counts: ReadCounts, skip_bad: bool = Fals
                  task_field: Optional[str] = None) -> Iterator[FlanRecord]:
     """Valid records of all files in order. Bad lines raise BadInputError unless skip_bad, in
     which case they (and unreadable or empty files) are counted in `counts` and skipped.
-    Blank lines are always counted and skipped. A file without a non-blank line is empty."""
+    Blank lines and empty samples are always counted and skipped. A file without a non-blank line is empty."""
     for path in paths:
         non_blank = lines_before = 0
         try:
@@ -218,7 +252,7 @@ def read_records(paths: Sequence[str], counts: ReadCounts, skip_bad: bool = Fals
                 lines_before += 1
                 if isinstance(item, Rejection):
                     non_blank += item.reason != BLANK_LINE
-                    if item.reason != BLANK_LINE and not skip_bad:
+                    if item.reason not in SKIPPED_BY_DEFAULT and not skip_bad:
                         raise item.error()
                     counts.reject(item.reason, f"{path}:{item.line}")
                     continue

@@ -14,7 +14,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron.data.flan_indexed import dataset_paths, import_indexed_dataset
+from megatron.data.flan_indexed import dataset_paths, import_indexed_dataset, manifest_path
+
+
+def read_dataset_file(path: str, read):
+    """read(path); any failure (a damaged or foreign file) is a ValueError naming the file."""
+    try:
+        return read(path)
+    except Exception as exc:   # noqa: BLE001 - numpy / megatron-core raise many kinds
+        raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc}); rebuild the "
+                         f"dataset with tools/preprocess_flan.py") from exc
+
+
+def open_indexed(idx_path: str):
+    """megatron-core's IndexedDataset of `X.idx` + `X.bin`, after checking the index header
+    here (megatron-core asserts on a bad one and then fails again while being collected)."""
+    indexed_dataset = import_indexed_dataset()
+    with open(idx_path, "rb") as f:
+        header = f.read(len(indexed_dataset._INDEX_HEADER))
+    if header != indexed_dataset._INDEX_HEADER:
+        raise ValueError("not a Megatron indexed dataset index (bad header)")
+    return indexed_dataset.IndexedDataset(idx_path[:-len(".idx")])
 
 
 @dataclass(frozen=True)
@@ -59,15 +79,16 @@ class MultiTaskDataset:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.table, paths = dataset_paths(prefix)
-        indexed = import_indexed_dataset().IndexedDataset
-        self._inputs = indexed(paths["inputs"])
-        self._targets = indexed(paths["targets"])
-        self.task_ids = np.load(paths["task_ids"]).astype(np.int64)
+        self._inputs = read_dataset_file(paths["inputs"] + ".idx", open_indexed)
+        self._targets = read_dataset_file(paths["targets"] + ".idx", open_indexed)
+        self.task_ids = read_dataset_file(
+            paths["task_ids"], lambda path: np.load(path, allow_pickle=False).astype(np.int64))
         self.input_lengths = self._inputs.sequence_lengths.astype(np.int64)
         self.target_lengths = self._targets.sequence_lengths.astype(np.int64)
-        self.task_names = [t["name"] for t in sorted(self.table["tasks"], key=lambda t: t["id"])]
-        self.vocab_size = int(self.table["vocab_size"])
-        self.tokenizer_info = self.table["tokenizer"]
+        self.task_names, self.vocab_size, self.tokenizer_info = read_dataset_file(
+            manifest_path(prefix), lambda _: (
+                [str(t["name"]) for t in sorted(self.table["tasks"], key=lambda t: t["id"])],
+                int(self.table["vocab_size"]), dict(self.table["tokenizer"])))
         sizes = {"inputs": len(self.input_lengths), "targets": len(self.target_lengths),
                  "task ids": len(self.task_ids), "task table": int(self.table["num_samples"])}
         if len(set(sizes.values())) != 1:

@@ -24,6 +24,17 @@ class TokenizerError(ValueError):
     """A tokenizer could not be built from the given files or options."""
 
 
+def load_sentencepiece(model_file: str):
+    """A SentencePieceProcessor of `model_file`; a file that is not one is a TokenizerError
+    naming it."""
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as exc:
+        raise TokenizerError(f"{model_file}: not a SentencePiece model ({exc})") from exc
+
+
 class GPT2BPETokenizer:
     """GPT-2's byte-level BPE loaded with the `tokenizers` library from encoder.json + vocab.bpe.
 
@@ -45,7 +56,11 @@ class GPT2BPETokenizer:
                 raise TokenizerError(f"GPT-2 tokenizer file not found: {path}")
         self.vocab_file, self.merge_file = vocab_file, merge_file
         self.files = (vocab_file, merge_file)
-        bpe = models.BPE.from_file(vocab_file, merge_file)
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as exc:   # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise TokenizerError(f"{vocab_file} / {merge_file}: not a GPT-2 encoder.json / "
+                                 f"vocab.bpe pair ({exc})") from exc
         self._tok = Tokenizer(bpe)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
@@ -80,8 +95,6 @@ class SentencePieceTokenizer:
     name = "SentencePieceTokenizer"
 
     def __init__(self, tokenizer_model: Optional[str]):
-        import sentencepiece as spm
-
         if not tokenizer_model:
             raise TokenizerError("SentencePieceTokenizer needs --tokenizer-model "
                                  "(train one with tools/train_tokenizer.py)")
@@ -89,7 +102,7 @@ class SentencePieceTokenizer:
             raise TokenizerError(f"SentencePiece model not found: {tokenizer_model}")
         self.model_file = tokenizer_model
         self.files = (tokenizer_model,)
-        self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        self._sp = load_sentencepiece(tokenizer_model)
         self.vocab_size = self._sp.get_piece_size()
         self.pad, self.eos, self.unk, self.bos = (self._sp.pad_id(), self._sp.eos_id(),
                                                   self._sp.unk_id(), self._sp.bos_id())
@@ -131,8 +144,6 @@ class T5SentencePieceTokenizer:
     name = "T5SentencePieceTokenizer"
 
     def __init__(self, tokenizer_model: Optional[str], vocab_extra_ids: Optional[int] = None):
-        import sentencepiece as spm
-
         if not tokenizer_model:
             raise TokenizerError("T5SentencePieceTokenizer needs --tokenizer-model (the "
                                  "spiece.model of the T5 checkpoint)")
@@ -143,7 +154,7 @@ class T5SentencePieceTokenizer:
             raise TokenizerError(f"--vocab-extra-ids must be >= 0, got {extra}")
         self.model_file = tokenizer_model
         self.files = (tokenizer_model,)
-        self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        self._sp = load_sentencepiece(tokenizer_model)
         pieces = self._sp.get_piece_size()
         self.pad, self.eos, self.unk = self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()
         if min(self.pad, self.eos) < 0:

@@ -13,6 +13,7 @@ from dynapipe_ext.flextp.detector import StragglerDetector
 from dynapipe_ext.flextp.partition import rebalance
 from dynapipe_ext.flextp.policy import BalanceCosts, decide
 from dynapipe_ext.flextp.resize import choose_drops, max_drops
+from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock
 from megatron.flextp.migrate import migrate_blocks
 
 KINDS = ("attn", "mlp")
@@ -46,7 +47,10 @@ def apply_resize(blocks, n_drop: int, max_fraction: float) -> list[tuple[int, ..
 
 
 def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
-    """Bytes per second of one all-reduce of `nbytes` on the TP group (best of `repeats`)."""
+    """Bytes per second of one all-reduce of `nbytes` on the TP group (best of `repeats`);
+    MODELLED_BANDWIDTH under FLEXTP_CLOCK=modelled."""
+    if modelled_clock():
+        return MODELLED_BANDWIDTH
     buf = torch.zeros(nbytes // 4)
     best = float("inf")
     for _ in range(repeats):

@@ -73,6 +73,29 @@ def slowdown_factor(tp_rank: int, env: str | None = None) -> int:
     return factor if rank == tp_rank else 1
 
 
+# FLEXTP_CLOCK=modelled: FlexTP's timings are modelled instead of measured (see modelled_clock)
+CLOCK_ENV = "FLEXTP_CLOCK"
+MODELLED_SECONDS_PER_MAC = 1e-9     # a rank of factor 1 computes 1 GMAC/s
+MODELLED_BANDWIDTH = 1e9            # bytes/s of the TP link
+
+
+def modelled_clock(env: str | None = None) -> bool:
+    """True under FLEXTP_CLOCK=modelled: a rank's TP compute then takes work (MACs) x
+    MODELLED_SECONDS_PER_MAC x its FLEXTP_SLOWDOWN factor, and the TP link moves
+    MODELLED_BANDWIDTH, instead of what the machine measures; the slow-down switch then redoes
+    no GEMM. The straggler detector and the policies see the same figures on any machine
+    however loaded, which is what tests of them need. Default (unset or 'measured'): measured."""
+    value = (os.environ.get(CLOCK_ENV, "") if env is None else env).strip().lower()
+    if value not in ("", "measured", "modelled"):
+        raise ValueError(f"{CLOCK_ENV}={value!r}: expected 'measured' or 'modelled'")
+    return value == "modelled"
+
+
+def modelled_seconds(macs: float, slowdown: int) -> float:
+    """Seconds a rank of slow-down `slowdown` takes for `macs` multiply-adds (modelled clock)."""
+    return macs * slowdown * MODELLED_SECONDS_PER_MAC
+
+
 class FlexTPBlock(torch.nn.Module):
     """Column-parallel weight (`col_rows` rows per unit) + bias, row-parallel weight
     (`row_cols` columns per unit) + replicated bias; subclasses give the unit's local math."""

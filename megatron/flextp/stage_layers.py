@@ -26,7 +26,9 @@ Timing: each pair measures the wall time from its column input to its row all-re
 compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
 what the straggler detector needs; on CUDA with events, read when the balancer takes the
 figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=RANK:FACTOR
-(megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler).
+(megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler);
+under FLEXTP_CLOCK=modelled the pair instead reports its work at a modelled rate divided by the
+factor, and redoes nothing (the same figures on a loaded machine).
 Restrictions, checked in `convert_stages`: GPT layers, no gated MLP, no grouped-query attention.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_from_tensor_model_parallel_region)
 
 from dynapipe_ext.flextp.partition import Partition, even_partition
-from megatron.flextp.layers import COMM, checked_drops
+from megatron.flextp.layers import COMM, checked_drops, modelled_clock, modelled_seconds
 from megatron.flextp.migrate import exchange_units, new_layout
 
 KINDS = ("attn", "mlp")
@@ -56,10 +58,12 @@ class FlexPair:
 
     def __init__(self, kind: str, partition: Partition, rank: int, cap: int, col_rows: int,
                  row_cols: int, hidden: int, slowdown: int = 1, attention=None,
-                 device=None, imputes: bool = True):
+                 device=None, imputes: bool = True, modelled: bool = False):
         self.kind, self.partition, self.rank, self.capacity = kind, partition, rank, cap
         self.col_rows, self.row_cols, self.hidden = col_rows, row_cols, hidden
         self.slowdown, self.attention = slowdown, attention
+        self.modelled = modelled                 # FLEXTP_CLOCK=modelled: no timer, no GEMM redone
+        self.burn = 1 if modelled else slowdown
         self.drops: tuple[int, ...] = ()
         self.column = self.row = None          # set by convert_stages
         # per slot: last token-mean output (imputation), on the layer's device so recording it
@@ -151,7 +155,9 @@ class FlexPair:
     # are taken (synchronising at both ends instead would stall the host four times per layer
     # and micro-batch)
     def start(self, x: torch.Tensor) -> None:
-        if x.device.type == "cuda":
+        if self.modelled:
+            self._start = 0.0
+        elif x.device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
@@ -160,15 +166,18 @@ class FlexPair:
     def stop(self, partial: torch.Tensor) -> None:
         if self._start is None:
             return
-        if isinstance(self._start, float):
+        tokens = partial.numel() // partial.shape[-1]
+        work = tokens * len(self.computed_slots()) * self.unit_macs()
+        if self.modelled:
+            self._seconds += modelled_seconds(work, self.slowdown)
+        elif isinstance(self._start, float):
             self._seconds += time.perf_counter() - self._start
         else:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._spans.append((self._start, end))
-        tokens = partial.numel() // partial.shape[-1]
         self.tokens += tokens
-        self.work += tokens * len(self.computed_slots()) * self.unit_macs()
+        self.work += work
         self._start = None
 
     @property
@@ -227,7 +236,7 @@ class SlotColumn(torch.nn.Module):
         w = pair.take(self.weight, 0, pair.col_rows)
         b = None if self.bias is None else pair.take(self.bias, 0, pair.col_rows)
         out = F.linear(x, w, None if self.skip_bias_add else b)
-        _burn(pair.slowdown, out, lambda: F.linear(x.detach(), w.detach()))
+        _burn(pair.burn, out, lambda: F.linear(x.detach(), w.detach()))
         return (out, b) if self.skip_bias_add else (out, None)
 
 
@@ -245,7 +254,7 @@ class SlotRow(torch.nn.Module):
         pair = self.pair
         w = pair.take(self.weight, 1, pair.row_cols)
         partial = F.linear(inner, w)
-        _burn(pair.slowdown, partial, lambda: F.linear(inner.detach(), w.detach()))
+        _burn(pair.burn, partial, lambda: F.linear(inner.detach(), w.detach()))
         if pair.imputes and torch.is_grad_enabled():     # training forwards only
             with torch.no_grad():
                 n = len(pair.computed_slots())
@@ -311,6 +320,7 @@ def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int =
     the gradient buffer and optimizer are built. `imputes`: record the imputation values
     (needed where units may be skipped: resize, semi)."""
     pairs: dict[str, list[FlexPair]] = {k: [] for k in KINDS}
+    modelled = modelled_clock()
     for s in sorted(stages):
         module = stages[s]
         if module.spec.model != "gpt":
@@ -338,7 +348,7 @@ def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int =
                 cap = capacity(n_units, tp)
                 pair = FlexPair(kind, even_partition(n_units, tp), tp_rank, cap, rows, cols,
                                 hidden, slowdown, attention, device=col.weight.device,
-                                imputes=imputes)
+                                imputes=imputes, modelled=modelled)
                 pair.column = SlotColumn(pair, _slotted(col.weight, 0, rows, cap),
                                          None if col.bias is None
                                          else _slotted(col.bias, 0, rows, cap),

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from dynapipe_ext.flextp.partition import even_partition
 from dynapipe_ext.flextp.policy import add_balance_args
-from megatron.flextp.balance import KINDS, Balancer
-from megatron.flextp.layers import COMM, slowdown_factor
+from megatron.flextp.balance import KINDS, Balancer, rank_work
+from megatron.flextp.layers import COMM, modelled_clock, modelled_seconds, slowdown_factor
 from megatron.flextp.model import FlexGPT, FlexGPTConfig
 from megatron.flextp.optim import FlexAdamW
 from megatron.training.distributed_setup import end_process
@@ -92,7 +92,8 @@ def train(args, on_iteration=None) -> list[dict]:
                         ffn=args.ffn_hidden_size, ffn_unit=args.flextp_ffn_unit)
     cfg.check()
     parts = {"attn": even_partition(cfg.num_heads, tp), "mlp": even_partition(cfg.mlp_units, tp)}
-    model = FlexGPT(cfg, parts, rank, group, seed=args.seed, slowdown=slowdown_factor(rank))
+    slowdown, modelled = slowdown_factor(rank), modelled_clock()
+    model = FlexGPT(cfg, parts, rank, group, seed=args.seed, slowdown=1 if modelled else slowdown)
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or ".ln" in n
                 or n.startswith("ln_f")]
     opt = FlexAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
@@ -117,6 +118,8 @@ def train(args, on_iteration=None) -> list[dict]:
         opt.step(lr)
         opt.zero_grad()
         compute = time.perf_counter() - start - COMM["seconds"]
+        if modelled:   # forward + backward: 3 x the forward's multiply-adds per token
+            compute = modelled_seconds(3 * rank_work(model) * tokens.numel(), slowdown)
         record = balancer.observe(max(compute, 1e-6))
         record.update(iteration=it, loss=loss.item(), seconds=time.perf_counter() - start,
                       counts_now={k: list(model.blocks(k)[0].partition.counts())

@@ -718,10 +718,12 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None
-               ) -> TrainConfig:
-    """Parse and validate; a bad value exits with status 2 and a message naming the flag."""
+def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None,
+               prog: str | None = None) -> TrainConfig:
+    """Parse and validate; a bad value exits with status 2 and a message naming the flag
+    (`prog`: the program its messages name, default pretrain_<model>.py)."""
     parser = build_parser(model)
+    parser.prog = prog or parser.prog
     args = parser.parse_args(argv)
     asked = has_cuda is None
     if asked:
@@ -743,43 +745,61 @@ def default_cost_model(has_cuda: bool) -> str:
     return "profile" if on_gpu else "analytic"
 
 
+# Flags whose absence means "the default": given as 0 or less they mean nothing, and are an
+# error naming the flag rather than silently replaced by the default.
+FLAGS_WITH_DEFAULTS = ("num_layers", "encoder_num_layers", "decoder_num_layers", "seq_length",
+                       "encoder_seq_length", "decoder_seq_length", "max_position_embeddings",
+                       "ffn_hidden_size", "kv_channels", "tokens_per_global_batch",
+                       "global_batch_size", "distributed_timeout_minutes", "lr_wsd_decay_iters")
+
+
+def given(value, default):
+    """`value` unless the flag was left out (None): 0 is a value, not "the default"."""
+    return default if value is None else value
+
+
 def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> TrainConfig:
     """Resolve Megatron's defaults (T5 layer counts, sequence lengths) into a TrainConfig."""
+    for name in FLAGS_WITH_DEFAULTS:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag(name)} must be > 0, got {value} (leave the flag out "
+                              f"for its default)")
     if model == "t5":
-        num_layers = args.encoder_num_layers or args.num_layers
-        decoder_layers = args.decoder_num_layers or args.num_layers
-        if not (num_layers and decoder_layers):
+        num_layers = given(args.encoder_num_layers, args.num_layers)
+        decoder_layers = given(args.decoder_num_layers, args.num_layers)
+        if num_layers is None or decoder_layers is None:
             raise ConfigError("the number of layers is required: --num-layers N (encoder and "
                               "decoder each), or --encoder-num-layers and --decoder-num-layers")
-        seq_length = args.encoder_seq_length or args.seq_length or 512
-        dec_length = args.decoder_seq_length or 128
+        seq_length = given(args.encoder_seq_length, given(args.seq_length, 512))
+        dec_length = given(args.decoder_seq_length, 128)
     else:
-        if args.encoder_num_layers or args.decoder_num_layers or args.decoder_seq_length:
+        if (args.encoder_num_layers, args.decoder_num_layers,
+                args.decoder_seq_length) != (None, None, None):
             raise ConfigError("--encoder-num-layers, --decoder-num-layers and "
                               "--decoder-seq-length are T5 flags; GPT uses --num-layers and "
                               "--seq-length")
-        if not args.num_layers:
+        if args.num_layers is None:
             raise ConfigError("the number of layers is required: --num-layers N")
         num_layers, decoder_layers = args.num_layers, 0
-        seq_length = args.seq_length or args.encoder_seq_length or 512
+        seq_length = given(args.seq_length, given(args.encoder_seq_length, 512))
         dec_length = 0
-    timeout = args.distributed_timeout_minutes or (30.0 if has_cuda else 2.0)
-    tokens = args.tokens_per_global_batch or 4096
-    if args.global_batch_size is not None and args.global_batch_size < 1:
-        raise ConfigError(f"--global-batch-size must be > 0, got {args.global_batch_size}")
-    if args.global_batch_size:   # N samples: a token budget that N samples always fit in
+    timeout = given(args.distributed_timeout_minutes, 30.0 if has_cuda else 2.0)
+    tokens = given(args.tokens_per_global_batch, 4096)
+    if args.global_batch_size is not None:   # N samples: a token budget they always fit in
         tokens = args.global_batch_size * (seq_length + dec_length)
     return TrainConfig(
         model=model, num_layers=num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        ffn_hidden_size=given(args.ffn_hidden_size, 4 * args.hidden_size),
         seq_length=seq_length, decoder_seq_length=dec_length,
-        max_position_embeddings=args.max_position_embeddings or max(seq_length, dec_length),
+        max_position_embeddings=given(args.max_position_embeddings,
+                                      max(seq_length, dec_length)),
         decoder_num_layers=decoder_layers,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=timeout,
-        tokens_per_global_batch=tokens, global_batch_size=args.global_batch_size or 0,
+        tokens_per_global_batch=tokens, global_batch_size=given(args.global_batch_size, 0),
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
         dynamic_layout=args.dynamic_layout,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
@@ -787,7 +807,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         replica_split=args.replica_split, max_pack_depth=args.max_pack_depth,
         packing_window=args.packing_window,
         check_plans=args.check_plans,
-        cost_model=args.cost_model or default_cost_model(has_cuda),
+        cost_model=given(args.cost_model, default_cost_model(has_cuda)),
         lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None
         else max(args.train_iters, args.lr_warmup_iters),
@@ -811,7 +831,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
         profile_dir=args.profile_dir,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+        lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         valid_data_path=tuple(args.valid_data_path) if args.valid_data_path else None,
         split=args.split,
@@ -822,7 +842,7 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         add_bias_linear=not args.disable_bias_linear, gated_linear_unit=args.gated_gelu,
-        softmax_scale=args.softmax_scale, kv_channels=args.kv_channels or 0,
+        softmax_scale=args.softmax_scale, kv_channels=given(args.kv_channels, 0),
         position_embedding_type=args.position_embedding_type,
         relative_attention_num_buckets=args.relative_attention_num_buckets,
         relative_attention_max_distance=args.relative_attention_max_distance,

@@ -33,27 +33,35 @@ EXECUTOR_PARTS = {Forward: "forward", Backward: "backward",
 
 
 class StepClock:
-    """Splits wall time into PARTS: `lap(part)` books the time since the previous lap."""
+    """Splits wall time into PARTS: `lap(part)` books the time since the previous lap.
+    `now` / `cpu_now` read the wall clock and this thread's CPU time (injectable, so the
+    bookkeeping is tested with given times, not with whatever a loaded machine measures)."""
 
-    def __init__(self):
+    def __init__(self, now=time.perf_counter, cpu_now=time.thread_time):
+        self.now, self.cpu_now = now, cpu_now
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.executor_cpu_s = 0.0
-        self._last = time.perf_counter()
-        self._last_cpu = time.thread_time()
+        self._last = self._started = now()
+        self._last_cpu = cpu_now()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from the clock's start to its last lap: the sum of the parts."""
+        return self._last - self._started
 
     def lap(self, part: str) -> None:
         """Book the time since the previous lap (or add_executor) to `part`."""
-        now = time.perf_counter()
+        now = self.now()
         self.parts[part] += now - self._last
         self._last = now
-        self._last_cpu = time.thread_time()
+        self._last_cpu = self.cpu_now()
 
     def add_executor(self, records, batch_wait_s: float = 0.0) -> None:
         """Book one Executor.run's (instruction, start, end) records, which must cover the time
         since the last lap: each instruction's time to its part (others, and the loop between
         instructions, to host); `batch_wait_s` of forward time (waiting for micro-batch
         tensors) moves to host."""
-        now = time.perf_counter()
+        now = self.now()
         total = now - self._last
         booked = 0.0
         for instr, start, end in records:
@@ -65,7 +73,7 @@ class StepClock:
         self.parts["forward"] -= wait
         self.parts["host"] += total - booked + wait
         self._last = now
-        cpu = time.thread_time()
+        cpu = self.cpu_now()
         self.executor_cpu_s += cpu - self._last_cpu
         self._last_cpu = cpu
 

@@ -70,14 +70,16 @@ class ValidationStats:
         return {"iteration": body.pop("iteration"), "validation": body}
 
 
-def validation_line(v: ValidationStats, top: int = 5) -> str:
-    """Overall validation loss, then the `top` tasks (and families) with the most tokens."""
+def validation_line(v: ValidationStats, top: int = 5, label: str | None = None) -> str:
+    """Overall validation loss, then the `top` tasks (and families) with the most tokens;
+    `label` replaces the leading '[valid] iteration N'."""
     def listing(losses: dict) -> str:
         shown = [f"{name} {loss:.4f} ({tokens:,})" for name, (loss, tokens)
                  in list(losses.items())[:top]]
         more = len(losses) - top
         return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
-    line = (f"[valid] iteration {v.iteration} | loss {v.loss:.4f} | ppl {v.ppl:.2f} | "
+    line = (f"{label or f'[valid] iteration {v.iteration}'} | loss {v.loss:.4f} | "
+            f"ppl {v.ppl:.2f} | "
             f"{v.loss_tokens:,} loss tokens in {v.samples} samples ({v.batches} batches) | "
             f"eval {v.eval_s:.2f}s" + (f" (planning {v.plan_s:.2f}s)" if v.plan_s else "") +
             f" | top tasks by tokens: {listing(v.tasks)}")

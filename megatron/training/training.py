@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,7 @@ from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow
 from megatron.data.split import PARTS, parse_split, split_indices
-from megatron.data.tokenizers import build_tokenizer, tokenizer_mismatch
+from megatron.data.tokenizers import TokenizerError, build_tokenizer, tokenizer_mismatch
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
@@ -133,8 +132,11 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
             dataset = BlendedMultiTaskDataset([prefix for _, prefix in blend])
     except (OSError, ValueError) as exc:
         raise RunSetupError(f"{where}: {exc}") from exc
-    tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
-                                cfg.tokenizer_model, cfg.vocab_extra_ids)
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file,
+                                    cfg.tokenizer_model, cfg.vocab_extra_ids)
+    except TokenizerError as exc:   # every rank reads the same files: a set-up error
+        raise RunSetupError(f"rank {rank}: --tokenizer-type {cfg.tokenizer_type}: {exc}") from exc
     if dataset.tokenizer_info.get("type") != cfg.tokenizer_type:
         raise RunSetupError(f"{where}: the dataset was tokenised with "
                             f"{dataset.tokenizer_info.get('type')}, this run uses "
@@ -600,7 +602,6 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     """One iteration on this rank: plan, tensors, executor, gradient reduce, optimizer step.
     Its stats carry where the time went on this rank (step_timing.PARTS)."""
     cfg, layout = run.cfg, run.layout
-    start = time.perf_counter()
     clock = StepClock()
     delivered = run.plans.fetch(iteration)
     clock.lap("plan_wait")
@@ -641,7 +642,7 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
         iteration=iteration + 1, train_iters=cfg.train_iters, loss=loss, lr=step["lr"],
         grad_norm=step["grad_norm"], real_tokens=real_tokens,
         token_slots=slots, num_micro_batches=count, shapes=shapes,
-        plan_wait_s=delivered.wait_s, iteration_s=time.perf_counter() - start,
+        plan_wait_s=delivered.wait_s, iteration_s=clock.elapsed,
         peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts,
         executor_cpu_s=clock.executor_cpu_s)
 
