@@ -247,3 +247,36 @@ def test_converted_gpt2_finetunes_at_pp2_from_its_weights(tmp_path, sp_dataset):
         capture_output=True, text=True, timeout=300)
     assert convert_back.returncode == 0, convert_back.stderr
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back") is not None
+
+
+def test_untied_gpt2_round_trips_with_its_own_head_and_config_fields(tmp_path):
+    """A GPT-2 with its own lm_head (tie_word_embeddings false) imports untied and exports
+    with lm_head.weight and the untied config; a tied import keeps its tie; the source's
+    dropout (0.0, not GPT-2's default 0.1) survives the export."""
+    import json
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=250, n_positions=16, n_embd=24, n_layer=2,
+                                     n_head=3, tie_word_embeddings=False, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours")
+    assert "--untie-embeddings-and-output-weights" in out
+    full, args = read_converted(str(tmp_path / "ours"))
+    assert torch.equal(full["output_layer.weight"][:250], model.lm_head.weight)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False and saved["resid_pdrop"] == 0.0
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    a, b = model.state_dict(), back.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    tokens = token_rows(250)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, model(tokens).logits)
