@@ -81,11 +81,12 @@ def profile_key(spec: ModelSpec, tp: int, device: str, dtype: str) -> dict:
     """What a profile is valid for: every ModelSpec field, the TP degree, device and dtype."""
     if dtype not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"dtype must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {dtype!r}")
-    # per-kind tables do not depend on tying or the pipeline cut; layer options (gated MLP, norms, ...) enter the
+    # per-kind tables do not depend on tying, the pipeline cut or which vocabulary rows are
+    # padding; layer options (gated MLP, norms, ...) enter the
     # key only when not at their defaults, so profiles made before they existed still match
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     shape = {k: v for k, v in dataclasses.asdict(spec).items()
-             if k not in ("tied_embeddings", "pipeline_cut")
+             if k not in ("tied_embeddings", "pipeline_cut", "unpadded_vocab_size")
              and not (k in LAYER_OPTIONS and v == defaults[k])}
     return {**shape, "tensor_model_parallel_size": int(tp), "device": str(device),
             "dtype": dtype}

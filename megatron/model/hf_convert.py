@@ -70,6 +70,7 @@ class ModelArgs:
                          hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads,
                          vocab_size=vocab_rows or self.vocab_size,
+                         unpadded_vocab_size=self.vocab_size,
                          num_decoder_layers=self.decoder_num_layers,
                          ffn_hidden_size=self.ffn_hidden_size,
                          max_position_embeddings=self.max_position_embeddings,

@@ -216,6 +216,7 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      num_attention_heads=cfg.num_attention_heads,
                      vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size,
                                                   cfg.make_vocab_size_divisible_by),
+                     unpadded_vocab_size=vocab_size,
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
                      max_position_embeddings=cfg.max_position_embeddings,
