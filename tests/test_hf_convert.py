@@ -374,3 +374,26 @@ def test_padded_vocabulary_rows_leave_the_loss_tp2(tmp_path):
         assert rows == 4096 and masked
         assert abs(ours - reference) <= 1e-6 * reference, (ours, reference)
     assert [r[3] for r in results] == [0, 96 * 4 * 17]
+
+
+@pytest.mark.slow
+def test_imported_gpt2_with_padded_vocabulary_starts_at_transformers_loss_tp2(tmp_path,
+                                                                              sp_dataset):  # noqa: F811
+    """pretrain_gpt.py at TP=2 on an imported GPT-2 of the run's 1000 tokens (1024 rows):
+    the first iteration's loss is transformers' loss of the same samples within 1e-6
+    relative."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import open_training_data
+    from tests.test_training import torchrun
+    model = random_gpt2(tmp_path / "hf", 2, 32, 2, 1000, 128).eval()
+    printed = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "vocabulary 1000 padded to 1024" in printed
+    args = sp_dataset + printed.split("train with: ")[1].split() + [
+        "--seq-length", "128", "--tensor-model-parallel-size", "2",
+        "--tokens-per-global-batch", "1024", "--train-iters", "1", "--lr", "1e-12",
+        "--min-lr", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--num-planner-workers", "0", "--load", str(tmp_path / "ours"), "--finetune"]
+    stats = torchrun("pretrain_gpt.py", args, tmp_path / "gpt.jsonl", timeout=400)
+    data = open_training_data(parse_args("gpt", args, has_cuda=False))
+    reference = hf_reference_loss(model, data.batch_samples(0))
+    assert abs(stats[0]["loss"] - reference) <= 1e-6 * reference, (stats[0]["loss"], reference)
