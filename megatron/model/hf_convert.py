@@ -510,7 +510,19 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
                  "decoder_num_layers": args.decoder_num_layers, "hidden_size": args.hidden_size,
                  "num_attention_heads": args.num_attention_heads,
                  "ffn_hidden_size": args.ffn_hidden_size,
-                 "max_position_embeddings": args.max_position_embeddings}
+                 "max_position_embeddings": args.max_position_embeddings,
+                 # what a run must build alike (the flags of training_flags), so that a load
+                 # with other flags is refused instead of training another function
+                 "untie_embeddings_and_output_weights":
+                     args.untie_embeddings_and_output_weights,
+                 "normalization": args.normalization, "norm_epsilon": args.layernorm_epsilon,
+                 "add_bias_linear": args.add_bias_linear,
+                 "gated_linear_unit": args.gated_linear_unit,
+                 "softmax_scale": args.softmax_scale, "kv_channels": args.kv_channels,
+                 "position_embedding_type": args.position_embedding_type,
+                 "relative_attention_num_buckets": args.relative_attention_num_buckets,
+                 "relative_attention_max_distance": args.relative_attention_max_distance,
+                 "vocab_size": args.vocab_size}
     folder = save_model_only_checkpoint(directory, 0, {n: t.contiguous() for n, t in full.items()},
                                         signature)
 
