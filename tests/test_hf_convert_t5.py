@@ -442,3 +442,30 @@ def test_flan_t5_shaped_round_trip_keeps_every_tensor_and_the_untied_head(tmp_pa
     assert not back.config.scale_decoder_outputs and back.config.dropout_rate == 0.1
     enc, dec = t5_inputs(config["vocab_size"])
     assert torch.equal(hf_logits(back, enc, dec), hf_logits(original, enc, dec))
+
+
+def test_a_t5_import_loaded_with_other_layer_flags_is_refused(tmp_path):
+    """The converted checkpoint records the flags it must be trained with (issue 26: without
+    --softmax-scale 1.0, or with another --relative-attention-max-distance, a T5 import
+    trained silently at another loss): a run that differs is told the flag and both values;
+    one with the printed flags matches."""
+    from megatron.training import checkpointing as ckpt
+    from megatron.training.arguments import parse_args
+    random_t5(tmp_path / "hf", *T5_CONFIGS[0])
+    printed = convert(tmp_path / "hf", tmp_path / "ours")
+    flags = printed.split("train with: ")[1].split()
+    common = ckpt.read_common(str(tmp_path / "ours"))
+    run = ["--train-iters", "1", "--data-path", "unused"]
+
+    def differences(model_flags):
+        signature = ckpt.model_signature(parse_args("t5", run + model_flags, has_cuda=False))
+        return ckpt.signature_differences(common["config"], dict(signature, vocab_size=256))
+
+    assert differences(flags) == []
+    at = flags.index("--softmax-scale")
+    assert differences(flags[:at] + flags[at + 2:]) == ["--softmax-scale: saved 1.0, now None"]
+    at = flags.index("--relative-attention-max-distance")
+    other = flags[:at + 1] + ["128"] + flags[at + 2:]
+    assert differences(other) == ["--relative-attention-max-distance: saved 12, now 128"]
+    assert "the vocabulary (tokens of the tokenizer, before padding): saved 256, now 250" in \
+        ckpt.signature_differences(common["config"], dict(common["config"], vocab_size=250))
