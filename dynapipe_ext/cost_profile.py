@@ -86,8 +86,9 @@ def profile_key(spec: ModelSpec, tp: int, device: str, dtype: str) -> dict:
     """What a profile is valid for: every ModelSpec field, the TP degree, device and dtype."""
     if dtype not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"dtype must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {dtype!r}")
-    # per-kind tables do not depend on the UNKEYED fields; layer options (gated MLP, norms, ...) enter the
-    # key only when not at their defaults, so profiles made before they existed still match
+    # per-kind tables do not depend on the UNKEYED fields; layer options (gated MLP, norms,
+    # ...) enter the key only when not at their defaults, so profiles made before they existed
+    # still match
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     shape = {k: v for k, v in dataclasses.asdict(spec).items()
              if k not in UNKEYED

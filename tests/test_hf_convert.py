@@ -377,8 +377,8 @@ def test_padded_vocabulary_rows_leave_the_loss_tp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_imported_gpt2_with_padded_vocabulary_starts_at_transformers_loss_tp2(tmp_path,
-                                                                              sp_dataset):  # noqa: F811
+def test_imported_gpt2_with_padded_vocabulary_starts_at_transformers_loss_tp2(
+        tmp_path, sp_dataset):  # noqa: F811
     """pretrain_gpt.py at TP=2 on an imported GPT-2 of the run's 1000 tokens (1024 rows):
     the first iteration's loss is transformers' loss of the same samples within 1e-6
     relative."""

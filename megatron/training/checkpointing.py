@@ -16,10 +16,10 @@ files the index names for its own parameters (each read once whole to verify its
 memory-mapped), assembles and slices them for its TP rank. The model (shape, and every flag that
 changes its function: norm, epsilon, softmax scale, relative buckets, gated MLP, biases,
 vocabulary, ...) must match, naming the flag and both values; the layout need not. Tensors must
-be floating point and shaped like their parameter (Adam moments too). A FlexTP run (--tp-balance) saves and loads in the even
-partition (training.checkpoint_layout; full_state.py, "Spare capacity"), so its files are those
-of an ordinary TP run. RNG states are restored on the same layout only; on another
-one rank 0 says so and every rank reseeds from --seed and the iteration. A checkpoint made by
+be floating point and shaped like their parameter (Adam moments too). A FlexTP run
+(--tp-balance) saves and loads in the even partition (training.checkpoint_layout; full_state.py,
+"Spare capacity"), so its files are those of an ordinary TP run. RNG states are restored on the
+same layout only; on another one rank 0 says so and every rank reseeds from --seed and the iteration. A checkpoint made by
 `save_model_only_checkpoint` (e.g. tools/convert_checkpoint.py) holds weights only and is
 loaded with --finetune (or --no-load-optim). Format 2 (per-rank, layout-bound) checkpoints
 are refused with a message saying so.
@@ -37,8 +37,10 @@ Fallback: `load_checkpoint` takes the newest iteration, at or below `latest`, th
 can read. Each rank reads only the files it needs; the ranks agree with an all-reduce over the
 default group (no rank ever loads an iteration another rank skipped), so this also works where
 ranks do not share a file system. An unreadable file (missing, truncated, corrupt, unsafe, or
-bytes that do not have the checksum common.pt records) is skipped with a warning naming it; a readable file that does not fit this run (format, model
-shape, LR schedule) is an error, never a reason to go back.
+bytes that do not have the checksum common.pt records) is skipped with a warning naming it; a
+readable file that does not fit this run (format, model, LR schedule) is an error, never a reason
+to go back. Every rank's save or load error is told to every rank, so each prints one line
+naming the rank and the file.
 """
 from __future__ import annotations
 
