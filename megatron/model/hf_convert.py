@@ -8,18 +8,22 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   [out, in], so every matrix is transposed. HF's fused c_attn output is [q of all heads,
   k of all heads, v of all heads]; megatron-core's linear_qkv packs per head (query group)
   [q_h, k_h, v_h] (see SelfAttention.get_query_key_value_tensors), so rows are regrouped.
-  The word embedding is tied to the output layer (GPT-2's lm_head is wte).
+  The word embedding is tied to the output layer (GPT-2's lm_head is wte), unless the
+  checkpoint has its own lm_head (tie_word_embeddings false): then both ways it is untied.
 
 * T5ForConditionalGeneration (T5 v1.1 / FLAN-T5: gated GeLU, RMSNorm, no biases, relative
   position buckets, untied lm_head): HF's separate q, k, v (and cross-attention k, v) are packed
   per head into linear_qkv (linear_kv); the gated MLP's wi_0 (GeLU) and wi_1 (linear) are the
   two halves of linear_fc1; the relative-attention-bias tables of the first encoder / decoder
   block become `encoder_relative_pos` / `decoder_relative_pos`. HF's `shared` input embedding
-  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
+  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer,
+  written on export with a config that says untied (t5_model).
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
-rows the way Megatron's converters do (copies of the last row) and `hf_from_*` drops them again.
+rows the way Megatron's converters do (copies of the last row) and `*_from_full_state` drops
+them again; the output head gives them -inf logits (stages.OutputHead), so they change no loss.
+Export keeps the non-weight fields of the imported config.json (SOURCE_CONFIG_FILE).
 """
 from __future__ import annotations
 
