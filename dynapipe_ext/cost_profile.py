@@ -77,15 +77,21 @@ LAYER_OPTIONS = ("normalization", "layernorm_epsilon", "add_bias_linear", "gated
                  "relative_attention_max_distance", "kv_channels")
 
 
+# ModelSpec fields a profile does not depend on (tying, the pipeline cut, which vocabulary
+# rows are padding), at the value a profile's spec takes for them
+UNKEYED = {"tied_embeddings": False, "pipeline_cut": (), "unpadded_vocab_size": 0}
+
+
 def profile_key(spec: ModelSpec, tp: int, device: str, dtype: str) -> dict:
     """What a profile is valid for: every ModelSpec field, the TP degree, device and dtype."""
     if dtype not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"dtype must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {dtype!r}")
-    # per-kind tables do not depend on tying or the pipeline cut; layer options (gated MLP, norms, ...) enter the
-    # key only when not at their defaults, so profiles made before they existed still match
+    # per-kind tables do not depend on the UNKEYED fields; layer options (gated MLP, norms,
+    # ...) enter the key only when not at their defaults, so profiles made before they existed
+    # still match
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     shape = {k: v for k, v in dataclasses.asdict(spec).items()
-             if k not in ("tied_embeddings", "pipeline_cut")
+             if k not in UNKEYED
              and not (k in LAYER_OPTIONS and v == defaults[k])}
     return {**shape, "tensor_model_parallel_size": int(tp), "device": str(device),
             "dtype": dtype}
@@ -446,9 +452,8 @@ class ProfiledCostModel(CostModel):
         self.rows_above_grid = rows_above_grid
         self.profile = profile
         self.spec = spec or profile.spec
-        unkeyed = {"tied_embeddings": False, "pipeline_cut": ()}
-        if dataclasses.replace(self.spec, **unkeyed) != dataclasses.replace(profile.spec,
-                                                                            **unkeyed):
+        if dataclasses.replace(self.spec, **UNKEYED) != dataclasses.replace(profile.spec,
+                                                                            **UNKEYED):
             raise ValueError(f"cost profile is for {profile.spec}, this run trains {self.spec}")
         memory = device_memory_bytes or profile.meta.get("device_memory_bytes")
         if not memory or memory <= 0:

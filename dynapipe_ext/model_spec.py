@@ -27,7 +27,7 @@ class ModelSpec:
     num_layers: int
     hidden_size: int
     num_attention_heads: int
-    vocab_size: int
+    vocab_size: int               # rows of the word embedding / output layer (padded)
     num_decoder_layers: int = 0
     ffn_hidden_size: int = 0      # 0 means 4 * hidden_size
     max_position_embeddings: int = 4096
@@ -44,6 +44,10 @@ class ModelSpec:
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     kv_channels: int = 0                      # per-head size; 0 means hidden / heads
+    # the tokenizer's vocabulary when vocab_size is padded past it (--make-vocab-size-divisible-by
+    # x TP): the output layer's rows from here on belong to no token and are left out of the
+    # softmax; 0 means every row is a token
+    unpadded_vocab_size: int = 0
     # GPT: half-layer units (attention, MLP) per pipeline stage, in stage order
     # (--pipeline-split); () is the even whole-layer split
     pipeline_cut: tuple[int, ...] = ()

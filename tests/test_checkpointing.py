@@ -116,7 +116,7 @@ def test_loading_at_another_world_size_works_and_another_shape_is_named(tmp_path
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.load_checkpoint(str(tmp_path), [other], other_opt, wider, 0, 1)
     assert f"{ckpt.common_file(str(tmp_path), 2)}: checkpoint does not match this run's " \
-           f"model (hidden_size: saved 8, now 16" in str(err.value)
+           f"model (--hidden-size: saved 8, now 16" in str(err.value)
 
 
 def test_a_parameter_of_another_shape_or_missing_is_named(tmp_path):
@@ -325,7 +325,7 @@ def test_every_checkpoint_unreadable_is_a_clear_error_naming_each_file(tmp_path)
             ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
     msg = str(err.value)
     assert "no loadable checkpoint" in msg
-    assert f"{ckpt.rank_file(str(tmp_path), 4, 0)}: unreadable" in msg
+    assert f"{ckpt.rank_file(str(tmp_path), 4, 0)}: truncated or corrupt" in msg
     assert f"{ckpt.rank_file(str(tmp_path), 2, 0)}: missing" in msg
 
 
@@ -447,7 +447,9 @@ def test_ranks_agree_on_the_newest_checkpoint_every_rank_can_read(tmp_path):
     results = run_in_processes(_fallback_agreed_over_ranks, 2, args=(str(tmp_path),),
                                timeout_s=120)
     (error0, *_), (error1, *_) = results
-    assert "another rank could not write its checkpoint file" in error0
+    # one line on each rank naming the full disk and the file (rank 0's says it is rank 1's)
+    assert "checkpoint not saved" in error0 and "rank 1: " in error0 and "disk is full" in \
+        error0 and ckpt.rank_file(str(tmp_path), 6, 1) in error0 and "\n" not in error0
     assert "disk is full" in error1 and ckpt.rank_file(str(tmp_path), 6, 1) in error1
     assert ckpt.latest_iteration(str(tmp_path)) == 4
     assert [(done, sampler) for _, done, sampler, _ in results] == \
@@ -550,7 +552,7 @@ def test_a_model_only_checkpoint_round_trips_and_needs_finetune(tmp_path):
     torch.manual_seed(3)
     source = tiny_model(seed=5)
     full = {n: p.detach().clone() for n, p in source.named_parameters()}
-    signature = ckpt.shape_signature(tiny_config())
+    signature = ckpt.model_signature(tiny_config())
     folder = ckpt.save_model_only_checkpoint(str(tmp_path), 0, full, signature)
     assert folder == ckpt.iteration_dir(str(tmp_path), 0)
     assert ckpt.latest_iteration(str(tmp_path)) == 0
@@ -651,3 +653,185 @@ def test_resume_to_more_iterations_is_refused_or_exact_as_documented(sp_dataset,
                                                *extra], tmp_path / f"{name}.jsonl")
         assert code == 0, out[-3000:]
         assert losses_and_lrs(rest) == losses_and_lrs(straight[10:])   # bit for bit
+
+
+# ---------------------------------------------------------------------------- what a load trusts
+
+def shard_path(directory, iteration):
+    return os.path.join(ckpt.iteration_dir(str(directory), iteration), ckpt.shard_file_name(0, 0))
+
+
+def rewrite_shard(directory, iteration, change):
+    """Change the shard file's contents with `change(state)` and record its new checksum, as a
+    checkpoint written that way would have it (so only what `change` did is under test)."""
+    path = shard_path(directory, iteration)
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+    common_path = ckpt.common_file(str(directory), iteration)
+    common = torch.load(common_path, weights_only=True)
+    common["checksums"][os.path.basename(path)] = ckpt.file_digest(path)
+    torch.save(common, common_path)
+
+
+def test_a_load_with_other_layer_flags_is_refused_naming_each_flag_and_both_values(tmp_path):
+    """Flags that change the function but no tensor's shape (issue 26: a T5 loaded without
+    --softmax-scale 1.0 trained silently at another loss)."""
+    flags = ("--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--softmax-scale", "1.0",
+             "--disable-bias-linear")
+    saved_run(tmp_path, [2], *flags)
+    cfg = tiny_config()
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    msg = str(err.value)
+    assert msg.startswith(f"{ckpt.common_file(str(tmp_path), 2)}: checkpoint does not match")
+    for part in ("--normalization: saved 'RMSNorm', now 'LayerNorm'",
+                 "--norm-epsilon: saved 1e-06, now 1e-05", "--softmax-scale: saved 1.0, now None",
+                 "--disable-bias-linear (add_bias_linear): saved False, now True"):
+        assert part in msg, (part, msg)
+    cfg = tiny_config(*flags, "--gated-gelu")
+    with pytest.raises(ckpt.CheckpointError, match=r"--gated-gelu \(gated_linear_unit\): "
+                                                   r"saved False, now True"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    cfg = tiny_config(*flags)
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
+
+
+def test_signature_compares_vocabulary_kv_channels_and_relative_buckets():
+    t5 = parse_args("t5", ["--train-iters", "10", "--data-path", "unused", "--num-layers", "2",
+                           "--decoder-num-layers", "2", "--hidden-size", "8",
+                           "--num-attention-heads", "2", "--position-embedding-type",
+                           "relative", "--relative-attention-max-distance", "32"],
+                    has_cuda=False)
+    saved = ckpt.model_signature(t5)
+    saved["vocab_size"] = 3990
+    now = dict(saved, vocab_size=4000, relative_attention_max_distance=128, kv_channels=4)
+    diffs = ckpt.signature_differences(saved, now)
+    assert diffs == ["--relative-attention-max-distance: saved 32, now 128",
+                     "the vocabulary (tokens of the tokenizer, before padding): saved 3990, "
+                     "now 4000"]
+    # kv_channels 4 is hidden / heads, what 0 means; buckets do not matter without them
+    gpt = ckpt.model_signature(tiny_config())
+    assert ckpt.signature_differences(gpt, dict(gpt, relative_attention_num_buckets=8)) == []
+    # a checkpoint that predates a field is not compared on it; SHAPE_FIELDS always are
+    old = {k: v for k, v in gpt.items() if k in ckpt.SHAPE_FIELDS}
+    assert ckpt.signature_differences(old, dict(gpt, softmax_scale=1.0)) == []
+
+
+class StageLike(torch.nn.Sequential):
+    """A module that carries a ModelSpec, as StageModule does (its vocabulary is recorded)."""
+
+    def __init__(self, vocab, seed=0):
+        from dynapipe_ext.model_spec import ModelSpec
+        torch.manual_seed(seed)
+        super().__init__(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+        self.spec = ModelSpec("gpt", 2, 8, 2, 4096, unpadded_vocab_size=vocab)
+
+
+def test_a_checkpoint_of_fewer_tokens_than_the_tokenizer_is_refused(tmp_path):
+    """A model imported with 3990 tokens must not fine-tune on 4000-token data: tokens
+    3990-3999 would train rows the checkpoint holds for no token (both pad to 4096 rows)."""
+    cfg = tiny_config()
+    model = StageLike(3990)
+    opt = TrainOptimizer(model.named_parameters(), cfg)
+    ckpt.save_checkpoint(str(tmp_path), 2, [model], opt, None, cfg, 0, 1)
+    assert ckpt.saved_vocab_size(str(tmp_path)) == 3990
+    other = StageLike(4000, seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="the vocabulary .*: saved 3990, now 4000"):
+        ckpt.load_checkpoint(str(tmp_path), [other], TrainOptimizer(other.named_parameters(),
+                                                                    cfg), cfg, 0, 1)
+
+
+def test_a_shard_tensor_that_is_not_floating_point_is_refused(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2])
+
+    def to_int(state):
+        shard = state["model"]["0.weight"]
+        shard["tensor"] = shard["tensor"].to(torch.int32)
+    rewrite_shard(tmp_path, 2, to_int)
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError, match=r"0\.weight: dtype torch\.int32, the model "
+                                                   r"needs a floating-point tensor"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+
+
+def test_a_wrong_shaped_adam_moment_is_an_error_naming_file_and_tensor(tmp_path):
+    cfg, _, _ = saved_run(tmp_path, [2])
+
+    def bad_moment(state):
+        entry = state["optimizer"]["2.weight"]["exp_avg_sq"]
+        entry["tensor"] = torch.zeros(3, 8)
+    rewrite_shard(tmp_path, 2, bad_moment)
+    model, opt = fresh(cfg)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)
+    assert f"2.weight (exp_avg_sq): shape (3, 8), the model needs (1, 8) in " \
+           f"{shard_path(tmp_path, 2)}" in str(err.value)
+    model, opt = fresh(cfg)       # the weights alone still load
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt,
+                                tiny_config("--load", str(tmp_path), "--no-load-optim"),
+                                0, 1)[0] == 2
+
+
+def flip_weight_bytes(path, tensor, count=64):
+    """XOR `count` bytes in the middle of `tensor`'s data inside the file (found by content)."""
+    data = bytearray(open(path, "rb").read())
+    raw = tensor.detach().contiguous().numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0
+    start = at + (len(raw) - count) // 2
+    for i in range(start, start + count):
+        data[i] ^= 0x5A
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_a_bit_flip_inside_a_weight_falls_back_naming_the_file(tmp_path):
+    """The zip format would load a flipped weight silently (issue 26: XOR of 64 bytes trained
+    on); the SHA-256 common.pt records for each file catches it like an unreadable file."""
+    cfg, model, _ = saved_run(tmp_path, [2, 4])
+    bad = shard_path(tmp_path, 4)
+    flip_weight_bytes(bad, model[0].weight)
+    fresh_model, opt = fresh(cfg)
+    with pytest.warns(ckpt.CheckpointFallbackWarning) as caught:
+        assert ckpt.load_checkpoint(str(tmp_path), [fresh_model], opt, cfg, 0, 1)[0] == 2
+    text = " | ".join(str(w.message) for w in caught)
+    assert f"{bad}: truncated or corrupt: its SHA-256 is" in text
+    assert "resuming from iteration 2" in text
+    # with no older checkpoint to go back to, the load is refused naming the file
+    flip_weight_bytes(shard_path(tmp_path, 2), torch.load(shard_path(tmp_path, 2),
+                      weights_only=True)["model"]["0.weight"]["tensor"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.CheckpointFallbackWarning)
+        with pytest.raises(ckpt.CheckpointError, match="no loadable checkpoint") as err:
+            ckpt.load_checkpoint(str(tmp_path), [fresh_model], opt, cfg, 0, 1)
+    assert shard_path(tmp_path, 2) in str(err.value)
+
+
+def test_a_tracker_file_with_binary_content_is_an_error_naming_it(tmp_path):
+    saved_run(tmp_path, [2])
+    marker = os.path.join(str(tmp_path), ckpt.LATEST)
+    with open(marker, "wb") as f:
+        f.write(b"\xff\xfe\x00\x89garbage")
+    with pytest.raises(ckpt.CheckpointError, match=f"{marker}: expected an iteration number"):
+        ckpt.latest_iteration(str(tmp_path))
+
+
+@pytest.mark.parametrize("free,expected", [(0, "the disk is full"), (10 ** 12, "an I/O error")])
+def test_a_bare_stream_error_at_save_is_one_line_naming_the_file(tmp_path, monkeypatch, free,
+                                                                 expected):
+    """torch.save's C++ writer once reported a full disk only as `basic_ios::clear: iostream
+    error`: with (almost) no space left that is a full disk, otherwise an I/O error; either
+    way the message names the file."""
+    cfg, model, opt = saved_run(tmp_path, [2])
+
+    def stream_error(obj, path):
+        raise RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(torch, "save", stream_error)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: free)
+    with pytest.raises(OSError) as err:
+        ckpt.save_checkpoint(str(tmp_path), 4, [model], opt, None, cfg, 0, 1)
+    assert expected in str(err.value) and shard_path(tmp_path, 4) in str(err.value)
+    assert "\n" not in str(err.value)
+    assert ckpt.latest_iteration(str(tmp_path)) == 2

@@ -247,3 +247,153 @@ def test_converted_gpt2_finetunes_at_pp2_from_its_weights(tmp_path, sp_dataset):
         capture_output=True, text=True, timeout=300)
     assert convert_back.returncode == 0, convert_back.stderr
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back") is not None
+
+
+def test_untied_gpt2_round_trips_with_its_own_head_and_config_fields(tmp_path):
+    """A GPT-2 with its own lm_head (tie_word_embeddings false) imports untied and exports
+    with lm_head.weight and the untied config; a tied import keeps its tie; the source's
+    dropout (0.0, not GPT-2's default 0.1) survives the export."""
+    import json
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=250, n_positions=16, n_embd=24, n_layer=2,
+                                     n_head=3, tie_word_embeddings=False, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours")
+    assert "--untie-embeddings-and-output-weights" in out
+    full, args = read_converted(str(tmp_path / "ours"))
+    assert torch.equal(full["output_layer.weight"][:250], model.lm_head.weight)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "--to-hf", str(tmp_path / "ours"), "--to", str(tmp_path / "back")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False and saved["resid_pdrop"] == 0.0
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    a, b = model.state_dict(), back.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    tokens = token_rows(250)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, model(tokens).logits)
+
+
+# ---------------------------------------------------------------- padded vocabulary
+
+PADDED = (2, 32, 2, 4000, 24)     # GPT-2 shape with 4000 tokens: 4096 rows at TP 1 and 2
+
+
+def hf_reference_loss(model, samples):
+    """transformers' mean next-token loss over the loss-masked labels of `samples`
+    ({i: (tokens, labels, loss_mask)}), in float64."""
+    total = count = 0.0
+    with torch.no_grad():
+        for tokens, labels, mask in samples.values():
+            logits = model(torch.from_numpy(tokens)[None]).logits[0].double()
+            nll = -torch.log_softmax(logits, -1).gather(1, torch.from_numpy(labels)[:, None])
+            total += float((nll[:, 0] * torch.from_numpy(mask).double()).sum())
+            count += float(mask.sum())
+    return total / count
+
+
+def padded_samples(vocab, rows=4, seq=17, seed=2):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(rows):
+        seq_ids = rng.integers(0, vocab, seq + 1)
+        mask = np.ones(seq, np.float32)
+        mask[:3] = 0.0                            # an instruction the loss leaves out
+        out[i] = (seq_ids[:-1], seq_ids[1:], mask)
+    return out
+
+
+def head_loss(full, args, samples, tp):
+    """Our loss of `samples` (mean over loss-masked labels) and this TP rank's logits slice,
+    with the vocabulary padded as a run at `tp` pads it."""
+    from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
+    from megatron.model.full_state import load_full_state
+    from megatron.model.stages import build_rank_stages, build_transformer_config, \
+        stage_parameters
+    from megatron.core import parallel_state
+    from megatron.training.training import padded_vocab_size
+    rows = padded_vocab_size(args.vocab_size, tp)
+    spec = args.spec(rows)
+    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec, tp=tp))
+    load_full_state(stage_parameters(stages), fit_vocab(full, rows),
+                    parallel_state.get_tensor_model_parallel_rank(), tp, "import")
+    batch = build_micro_batch(unsplit_micro_batch(sorted(samples), samples, "gpt"), samples,
+                              "gpt", 0)
+    with torch.no_grad():
+        losses = stages[0]((), batch).double()
+        logits = stages[0]((), {k: v for k, v in batch.items() if k != "labels"})
+    mask = batch["loss_mask"].double()
+    return float((losses * mask).sum() / mask.sum()), rows, logits
+
+
+def test_padded_vocabulary_rows_leave_the_loss_and_logits_tp1(tmp_path):
+    """An imported GPT-2 of 4000 tokens in a model of 4096 rows: its loss is transformers'
+    within 1e-6 relative (the 96 padded rows, copies of the last, would add to the softmax's
+    sum) and the logits of the padded columns are -inf."""
+    model = random_gpt2(tmp_path / "hf", *PADDED).eval()
+    samples = padded_samples(PADDED[3])
+    reference = hf_reference_loss(model, samples)
+    full, args = read_hf(str(tmp_path / "hf"))
+    torch.set_num_threads(1)
+    with single_process_world(seed=3):
+        ours, rows, logits = head_loss(full, args, samples, tp=1)
+    assert rows == 4096
+    assert abs(ours - reference) <= 1e-6 * reference, (ours, reference)
+    assert torch.isneginf(logits[..., 4000:]).all() and torch.isfinite(logits[..., :4000]).all()
+
+
+def padded_loss_worker(rank, world_size, hf_dir, samples):
+    from megatron.training.distributed_setup import setup_model_parallel
+    torch.set_num_threads(1)
+    full, args = read_hf(hf_dir)
+    setup_model_parallel(2, 1, seed=3, timeout_s=120)
+    ours, rows, logits = head_loss(full, args, samples, tp=2)
+    # rank 0 holds rows 0..2047 (all tokens), rank 1 rows 2048..4095 (the last 96 padded)
+    padded = logits[..., 4000 - 2048:] if rank == 1 else logits[..., :0]
+    return ours, rows, bool(torch.isneginf(padded).all()), int(torch.isinf(logits).sum())
+
+
+@pytest.mark.slow
+def test_padded_vocabulary_rows_leave_the_loss_tp2(tmp_path):
+    """The same at TP=2, where each rank holds half of the 4096 rows and only the second
+    half's tail is padding: both ranks' loss is transformers' within 1e-6 relative."""
+    model = random_gpt2(tmp_path / "hf", *PADDED).eval()
+    samples = padded_samples(PADDED[3])
+    reference = hf_reference_loss(model, samples)
+    results = run_in_processes(padded_loss_worker, 2, (str(tmp_path / "hf"), samples),
+                               timeout_s=300)
+    for ours, rows, masked, infinite in results:
+        assert rows == 4096 and masked
+        assert abs(ours - reference) <= 1e-6 * reference, (ours, reference)
+    assert [r[3] for r in results] == [0, 96 * 4 * 17]
+
+
+@pytest.mark.slow
+def test_imported_gpt2_with_padded_vocabulary_starts_at_transformers_loss_tp2(
+        tmp_path, sp_dataset):  # noqa: F811
+    """pretrain_gpt.py at TP=2 on an imported GPT-2 of the run's 1000 tokens (1024 rows):
+    the first iteration's loss is transformers' loss of the same samples within 1e-6
+    relative."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import open_training_data
+    from tests.test_training import torchrun
+    model = random_gpt2(tmp_path / "hf", 2, 32, 2, 1000, 128).eval()
+    printed = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "vocabulary 1000 padded to 1024" in printed
+    args = sp_dataset + printed.split("train with: ")[1].split() + [
+        "--seq-length", "128", "--tensor-model-parallel-size", "2",
+        "--tokens-per-global-batch", "1024", "--train-iters", "1", "--lr", "1e-12",
+        "--min-lr", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--num-planner-workers", "0", "--load", str(tmp_path / "ours"), "--finetune"]
+    stats = torchrun("pretrain_gpt.py", args, tmp_path / "gpt.jsonl", timeout=400)
+    data = open_training_data(parse_args("gpt", args, has_cuda=False))
+    reference = hf_reference_loss(model, data.batch_samples(0))
+    assert abs(stats[0]["loss"] - reference) <= 1e-6 * reference, (stats[0]["loss"], reference)

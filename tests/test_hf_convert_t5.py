@@ -29,8 +29,10 @@ T5_CONFIGS = [(2, 2, 24, 3, 8, 40, 256, 8, 12), (1, 3, 32, 3, 12, 64, 200, 32, 1
 
 def random_t5(directory, enc, dec, d_model, heads, d_kv, d_ff, vocab, buckets, distance,
               seed=0):
-    """A T5 v1.1 style model with every weight random (norms too), saved with
-    save_pretrained."""
+    """A T5 v1.1 style model with every weight random (norms too, and an lm_head of its own),
+    saved with save_pretrained. transformers >= 5 ties lm_head to `shared` whatever
+    T5Config(tie_word_embeddings=False) says, so the untied head is set up by hand (as
+    hf_convert.t5_model does; flan_t5_dir writes one without transformers)."""
     torch.manual_seed(seed)
     config = transformers.T5Config(
         vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=enc,
@@ -38,10 +40,14 @@ def random_t5(directory, enc, dec, d_model, heads, d_kv, d_ff, vocab, buckets, d
         relative_attention_max_distance=distance, feed_forward_proj="gated-gelu",
         tie_word_embeddings=False, dropout_rate=0.0,
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)    # FLAN-T5's config.json
+    config.tie_word_embeddings = False
     model = transformers.T5ForConditionalGeneration(config).eval()
+    model.set_input_embeddings(model.shared)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+    assert model.lm_head.weight is not model.shared.weight
+    assert not torch.equal(model.lm_head.weight, model.shared.weight)
     model.save_pretrained(directory)
     return model
 
@@ -347,3 +353,119 @@ def test_exporting_a_run_needs_the_model_args_of_its_model(tmp_path):
     a = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
     b = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flan_t5_dir(directory, enc=2, dec=3, d_model=32, heads=4, d_kv=12, d_ff=48, vocab=300,
+                buckets=16, distance=20, seed=5):
+    """A directory shaped like google/flan-t5-*'s, written without transformers' save path: its
+    config.json (the fields FLAN-T5's has, dropout 0.1, tie_word_embeddings false) and a
+    model.safetensors with every tensor random, lm_head.weight its own and the encoder's and
+    decoder's embed_tokens copies of shared.weight (as FLAN-T5's files hold them)."""
+    import json
+
+    from safetensors.torch import save_file
+    config = {"architectures": ["T5ForConditionalGeneration"], "d_ff": d_ff, "d_kv": d_kv,
+              "d_model": d_model, "decoder_start_token_id": 0, "dense_act_fn": "gelu_new",
+              "dropout_rate": 0.1, "eos_token_id": 1, "feed_forward_proj": "gated-gelu",
+              "initializer_factor": 1.0, "is_encoder_decoder": True, "is_gated_act": True,
+              "layer_norm_epsilon": 1e-06, "model_type": "t5", "n_positions": 512,
+              "num_decoder_layers": dec, "num_heads": heads, "num_layers": enc,
+              "output_past": True, "pad_token_id": 0,
+              "relative_attention_max_distance": distance,
+              "relative_attention_num_buckets": buckets, "tie_word_embeddings": False,
+              "torch_dtype": "float32", "transformers_version": "4.23.1", "use_cache": True,
+              "vocab_size": vocab}
+    g = torch.Generator().manual_seed(seed)
+    inner, tensors = heads * d_kv, {}
+
+    def add(name, *shape, scale=0.1, base=0.0):
+        tensors[name] = base + scale * torch.randn(*shape, generator=g)
+
+    add("shared.weight", vocab, d_model, scale=1.0)
+    add("lm_head.weight", vocab, d_model)
+    for stack, layers in (("encoder", enc), ("decoder", dec)):
+        tensors[f"{stack}.embed_tokens.weight"] = tensors["shared.weight"].clone()
+        add(f"{stack}.final_layer_norm.weight", d_model, base=1.0)
+        add(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            buckets, heads)
+        for i in range(layers):
+            b = f"{stack}.block.{i}.layer."
+            attentions = ["SelfAttention"] + (["EncDecAttention"] if stack == "decoder" else [])
+            for j, attention in enumerate(attentions):
+                add(f"{b}{j}.layer_norm.weight", d_model, base=1.0)
+                for x in "qkv":
+                    add(f"{b}{j}.{attention}.{x}.weight", inner, d_model)
+                add(f"{b}{j}.{attention}.o.weight", d_model, inner)
+            mlp = len(attentions)
+            add(f"{b}{mlp}.layer_norm.weight", d_model, base=1.0)
+            add(f"{b}{mlp}.DenseReluDense.wi_0.weight", d_ff, d_model)
+            add(f"{b}{mlp}.DenseReluDense.wi_1.weight", d_ff, d_model)
+            add(f"{b}{mlp}.DenseReluDense.wo.weight", d_model, d_ff)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return config, tensors
+
+
+def test_flan_t5_shaped_round_trip_keeps_every_tensor_and_the_untied_head(tmp_path):
+    """HF -> ours (TP=2 padding) -> HF: the exported files hold every tensor of the source bit
+    for bit (lm_head.weight its own, not the embedding), config.json says the head is untied
+    and keeps the source's other fields (dropout 0.1, n_positions), transformers loads it
+    untied, and its logits are the source's."""
+    import json
+
+    from safetensors.torch import load_file
+    config, source = flan_t5_dir(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ours", "--target-tensor-parallel-size", "2")
+    assert "vocabulary 300 padded to 512" in out
+    export_run(tmp_path / "ours", tmp_path / "ours", tmp_path / "back")
+    written = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert "lm_head.weight" in written and "shared.weight" in written
+    for name, tensor in source.items():
+        # transformers writes a tied tensor once: embed_tokens are shared.weight
+        stored = written.get(name, written["shared.weight"] if "embed_tokens" in name else None)
+        assert stored is not None, f"{name} not exported"
+        assert stored.dtype == tensor.dtype and torch.equal(stored, tensor), name
+    assert set(written) <= set(source)
+    saved = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False
+    for field in ("dropout_rate", "n_positions", "output_past", "decoder_start_token_id",
+                  "relative_attention_num_buckets", "relative_attention_max_distance"):
+        assert saved[field] == config[field], field
+
+    load = transformers.T5ForConditionalGeneration.from_pretrained
+    original, back = load(tmp_path / "hf").eval(), load(tmp_path / "back").eval()
+    assert back.lm_head.weight is not back.shared.weight
+    assert back.encoder.embed_tokens.weight is back.shared.weight
+    assert torch.equal(back.lm_head.weight, source["lm_head.weight"])
+    assert not back.config.scale_decoder_outputs and back.config.dropout_rate == 0.1
+    enc, dec = t5_inputs(config["vocab_size"])
+    assert torch.equal(hf_logits(back, enc, dec), hf_logits(original, enc, dec))
+
+
+def test_a_t5_import_loaded_with_other_layer_flags_is_refused(tmp_path):
+    """The converted checkpoint records the flags it must be trained with (issue 26: without
+    --softmax-scale 1.0, or with another --relative-attention-max-distance, a T5 import
+    trained silently at another loss): a run that differs is told the flag and both values;
+    one with the printed flags matches."""
+    from megatron.training import checkpointing as ckpt
+    from megatron.training.arguments import parse_args
+    random_t5(tmp_path / "hf", *T5_CONFIGS[0])
+    printed = convert(tmp_path / "hf", tmp_path / "ours")
+    flags = printed.split("train with: ")[1].split()
+    common = ckpt.read_common(str(tmp_path / "ours"))
+    run = ["--train-iters", "1", "--data-path", "unused"]
+
+    def differences(model_flags):
+        signature = ckpt.model_signature(parse_args("t5", run + model_flags, has_cuda=False))
+        return ckpt.signature_differences(common["config"], dict(signature, vocab_size=256))
+
+    assert differences(flags) == []
+    at = flags.index("--softmax-scale")
+    assert differences(flags[:at] + flags[at + 2:]) == ["--softmax-scale: saved 1.0, now None"]
+    at = flags.index("--relative-attention-max-distance")
+    other = flags[:at + 1] + ["128"] + flags[at + 2:]
+    assert differences(other) == ["--relative-attention-max-distance: saved 12, now 128"]
+    assert "the vocabulary (tokens of the tokenizer, before padding): saved 256, now 250" in \
+        ckpt.signature_differences(common["config"], dict(common["config"], vocab_size=250))

@@ -18,6 +18,7 @@ train with. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -29,7 +30,8 @@ warnings.filterwarnings(
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from megatron.model.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
-                                       read_hf, write_converted, write_hf)
+                                       read_hf, read_source_config, write_converted,
+                                       write_hf)
 from megatron.training.arguments import VOCAB_MULTIPLE  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
@@ -94,7 +96,9 @@ def main(argv=None) -> int:
             full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
             rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size,
                                      a.make_vocab_size_divisible_by)
-            path = write_converted(fit_vocab(full, rows, a.from_hf), args, a.to)
+            with open(os.path.join(a.from_hf, "config.json")) as f:
+                source = json.load(f)
+            path = write_converted(fit_vocab(full, rows, a.from_hf), args, a.to, source)
             flags = training_flags(args)
             if a.make_vocab_size_divisible_by != VOCAB_MULTIPLE:
                 flags += f" --make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}"
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
                   f"{rows}); train with: {flags}")
         else:
             full, args = read_converted(a.to_hf, a.model_args)
-            write_hf(full, args, a.to)
+            write_hf(full, args, a.to, read_source_config(a.model_args or a.to_hf))
             print(f"wrote a transformers checkpoint to {a.to}")
     except (ConversionError, CheckpointError, OSError) as err:
         print(f"convert_checkpoint: {err}", file=sys.stderr)

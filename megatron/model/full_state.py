@@ -147,13 +147,25 @@ def load_sharded_state(named_params: Iterable[tuple[str, torch.Tensor]],
 
 
 def shape_problems(named_params, shards: Mapping[str, list[dict]], tp_size: int) -> list[str]:
-    """Parameters missing from `shards` or saved with another full shape."""
+    """Parameters missing from `shards`, saved with another full shape or as tensors that are
+    not floating point (any float type loads: the precision may differ)."""
     problems = []
     for name, param in named_params:
         if not shards.get(name):
             problems.append(f"{name}: missing")
             continue
-        want, have = full_shape(param, tp_size), saved_shape(shards[name])
-        if have != want:
-            problems.append(f"{name}: shape {have}, the model needs {want}")
+        problems += state_problems(name, shards[name], param, tp_size)
     return problems
+
+
+def state_problems(name: str, shards: list[dict], like: torch.Tensor,
+                   tp_size: int) -> list[str]:
+    """What is wrong with the saved shards of a tensor that must be shaped like parameter
+    `like`'s full tensor and floating point (a parameter, an Adam moment, a main weight)."""
+    dtypes = sorted({str(s["tensor"].dtype) for s in shards
+                     if not s["tensor"].is_floating_point()})
+    if dtypes:
+        return [f"{name}: dtype {', '.join(dtypes)}, the model needs a floating-point tensor "
+                f"({like.dtype})"]
+    want, have = full_shape(like, tp_size), saved_shape(shards)
+    return [f"{name}: shape {have}, the model needs {want}"] if have != want else []

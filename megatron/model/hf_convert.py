@@ -8,18 +8,22 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   [out, in], so every matrix is transposed. HF's fused c_attn output is [q of all heads,
   k of all heads, v of all heads]; megatron-core's linear_qkv packs per head (query group)
   [q_h, k_h, v_h] (see SelfAttention.get_query_key_value_tensors), so rows are regrouped.
-  The word embedding is tied to the output layer (GPT-2's lm_head is wte).
+  The word embedding is tied to the output layer (GPT-2's lm_head is wte), unless the
+  checkpoint has its own lm_head (tie_word_embeddings false): then both ways it is untied.
 
 * T5ForConditionalGeneration (T5 v1.1 / FLAN-T5: gated GeLU, RMSNorm, no biases, relative
   position buckets, untied lm_head): HF's separate q, k, v (and cross-attention k, v) are packed
   per head into linear_qkv (linear_kv); the gated MLP's wi_0 (GeLU) and wi_1 (linear) are the
   two halves of linear_fc1; the relative-attention-bias tables of the first encoder / decoder
   block become `encoder_relative_pos` / `decoder_relative_pos`. HF's `shared` input embedding
-  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer.
+  is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer,
+  written on export with a config that says untied (t5_model).
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
-rows the way Megatron's converters do (copies of the last row) and `hf_from_*` drops them again.
+rows the way Megatron's converters do (copies of the last row) and `*_from_full_state` drops
+them again; the output head gives them -inf logits (stages.OutputHead), so they change no loss.
+Export keeps the non-weight fields of the imported config.json (SOURCE_CONFIG_FILE).
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class ModelArgs:
                          hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads,
                          vocab_size=vocab_rows or self.vocab_size,
+                         unpadded_vocab_size=self.vocab_size,
                          num_decoder_layers=self.decoder_num_layers,
                          ffn_hidden_size=self.ffn_hidden_size,
                          max_position_embeddings=self.max_position_embeddings,
@@ -180,43 +185,58 @@ def _take(hf_state: Mapping[str, torch.Tensor], name: str, where: str) -> torch.
 def full_state_from_gpt2(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
                          where: str = "GPT-2 checkpoint") -> dict[str, torch.Tensor]:
     """Full state of our GPT from a GPT2LMHeadModel state dict (fp32, contiguous). With
-    `args.untie_embeddings_and_output_weights` the output layer gets its own copy of the
-    (tied) embedding."""
+    `args.untie_embeddings_and_output_weights` the output layer is the checkpoint's own
+    lm_head (tie_word_embeddings false) or a copy of the tied embedding."""
     full = {ours: _conv1d_qkv_from_hf(_take(hf_state, hf, where).float(), how,
                                       args.num_attention_heads).contiguous()
             for hf, ours, how in _gpt2_pairs(args)}
-    if "lm_head.weight" in hf_state and not torch.equal(hf_state["lm_head.weight"],
-                                                        hf_state["transformer.wte.weight"]):
+    head = hf_state.get("lm_head.weight")
+    untied = head is not None and not torch.equal(head, hf_state["transformer.wte.weight"])
+    if untied and not args.untie_embeddings_and_output_weights:
         raise ConversionError(f"{where}: lm_head.weight differs from transformer.wte.weight; "
-                              "GPT-2's output layer is tied to its embedding")
+                              "import it with --untie-embeddings-and-output-weights")
     if args.untie_embeddings_and_output_weights:
-        full["output_layer.weight"] = full[TIED_EMBEDDING].clone()
+        full["output_layer.weight"] = (head.float().contiguous() if untied
+                                       else full[TIED_EMBEDDING].clone())
     return full
 
 
 def gpt2_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
                          where: str = "full state") -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel state dict (without the tied lm_head) from our GPT's full state; padded
-    vocabulary rows are dropped. An untied output layer cannot be expressed in GPT-2."""
-    if args.untie_embeddings_and_output_weights and not torch.equal(
-            full["output_layer.weight"], full[TIED_EMBEDDING]):
-        raise ConversionError(f"{where}: the output layer is untied from the word embedding; "
-                              "GPT2LMHeadModel ties them")
+    """GPT2LMHeadModel state dict from our GPT's full state, with lm_head.weight when the
+    output layer is untied; padded vocabulary rows are dropped."""
     hf = {hf: _conv1d_qkv_to_hf(_take(full, ours, where), how,
                                 args.num_attention_heads).contiguous()
           for hf, ours, how in _gpt2_pairs(args)}
-    hf["transformer.wte.weight"] = hf["transformer.wte.weight"][:args.vocab_size].contiguous()
+    if args.untie_embeddings_and_output_weights:
+        hf["lm_head.weight"] = _take(full, "output_layer.weight", where)
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        if name in hf:
+            hf[name] = hf[name][:args.vocab_size].contiguous()
     return hf
 
 
-def gpt2_config(args: ModelArgs):
-    """transformers GPT2Config for a model of `args`."""
+def gpt2_config(args: ModelArgs, source: Mapping | None = None):
+    """transformers GPT2Config for a model of `args`; the fields that do not change the
+    function (dropout, token ids, ...) are those of `source` (a config.json's dict) if given."""
     from transformers import GPT2Config
-    return GPT2Config(vocab_size=args.vocab_size, n_positions=args.max_position_embeddings,
-                      n_embd=args.hidden_size, n_layer=args.num_layers,
-                      n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
-                      activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                      tie_word_embeddings=True)
+    fields = dict(vocab_size=args.vocab_size, n_positions=args.max_position_embeddings,
+                  n_embd=args.hidden_size, n_layer=args.num_layers,
+                  n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
+                  activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                  reorder_and_upcast_attn=False,
+                  tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+    return GPT2Config.from_dict({**_kept_fields(source, "gpt2"), **fields})
+
+
+def _kept_fields(source: Mapping | None, model_type: str) -> dict:
+    """The fields of a source config.json dict that an export keeps (none for another model
+    type; the ones transformers writes itself are left to it)."""
+    if not source or source.get("model_type") != model_type:
+        return {}
+    return {k: v for k, v in source.items() if k not in ("transformers_version", "architectures",
+                                                         "_name_or_path")}
 
 
 # ---------------------------------------------------------------- T5 v1.1 / FLAN-T5
@@ -332,6 +352,8 @@ def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
     """T5ForConditionalGeneration state dict from our T5's full state (padded vocabulary rows
     dropped)."""
     heads = args.num_attention_heads
+    if not args.untie_embeddings_and_output_weights:     # a tied T5: its head is the embedding
+        full = {**full, "output_layer.weight": _take(full, TIED_EMBEDDING, where)}
     hf = {name: _take(full, ours, where).contiguous() for name, ours in _t5_pairs(args)}
     for names, ours in _t5_packed(args):
         tensor = _take(full, ours, where)
@@ -343,20 +365,39 @@ def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
     return hf
 
 
-def t5_config(args: ModelArgs):
-    """transformers T5Config (T5 v1.1 / FLAN-T5 style) for a model of `args`."""
+def t5_model(config):
+    """T5ForConditionalGeneration of `config` with T5 v1.1's head: its own lm_head, the
+    encoder's and decoder's input embeddings the `shared` one. transformers >= 5 forces
+    T5Config.tie_word_embeddings to True whatever it is given (the v1.1 head is told apart by
+    `scale_decoder_outputs`), which would make lm_head and shared one tensor; setting the
+    attribute after construction unties all three, so the input embeddings are re-shared."""
+    from transformers import T5ForConditionalGeneration
+    config.tie_word_embeddings = False
+    model = T5ForConditionalGeneration(config)
+    model.set_input_embeddings(model.shared)
+    return model
+
+
+def t5_config(args: ModelArgs, source: Mapping | None = None):
+    """transformers T5Config (T5 v1.1 / FLAN-T5 style: untied, unscaled head) for a model of
+    `args`; the fields that do not change the function (dropout, token ids, ...) are those of
+    `source` (a config.json's dict) if given."""
     from transformers import T5Config
-    return T5Config(vocab_size=args.vocab_size, d_model=args.hidden_size,
-                    d_kv=args.kv_channels or args.hidden_size // args.num_attention_heads,
-                    d_ff=args.ffn_hidden_size, num_layers=args.num_layers,
-                    num_decoder_layers=args.decoder_num_layers,
-                    num_heads=args.num_attention_heads,
-                    relative_attention_num_buckets=args.relative_attention_num_buckets,
-                    relative_attention_max_distance=args.relative_attention_max_distance,
-                    layer_norm_epsilon=args.layernorm_epsilon, feed_forward_proj="gated-gelu",
-                    tie_word_embeddings=False, dropout_rate=0.0,
+    defaults = dict(dropout_rate=0.0,
                     # T5's ids (T5SentencePieceTokenizer): the decoder starts from pad
                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    fields = dict(vocab_size=args.vocab_size, d_model=args.hidden_size,
+                  d_kv=args.kv_channels or args.hidden_size // args.num_attention_heads,
+                  d_ff=args.ffn_hidden_size, num_layers=args.num_layers,
+                  num_decoder_layers=args.decoder_num_layers,
+                  num_heads=args.num_attention_heads,
+                  relative_attention_num_buckets=args.relative_attention_num_buckets,
+                  relative_attention_max_distance=args.relative_attention_max_distance,
+                  layer_norm_epsilon=args.layernorm_epsilon, feed_forward_proj="gated-gelu",
+                  tie_word_embeddings=False)
+    config = T5Config.from_dict({**defaults, **_kept_fields(source, "t5"), **fields})
+    config.tie_word_embeddings = False       # transformers >= 5 sets True in __init__
+    return config
 
 
 # ---------------------------------------------------------------- vocabulary padding
@@ -383,6 +424,21 @@ def fit_vocab(full: Mapping[str, torch.Tensor], vocab_rows: int,
 # ---------------------------------------------------------------- files
 
 ARGS_FILE = "model_args.json"             # ModelArgs, and the flags to train it with
+SOURCE_CONFIG_FILE = "hf_config.json"     # the imported config.json, for export to keep
+
+
+def read_source_config(directory: str) -> dict | None:
+    """The config.json an import kept in `directory` (SOURCE_CONFIG_FILE), or None."""
+    import json
+    import os
+    path = os.path.join(directory, SOURCE_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConversionError(f"{path}: not a JSON config ({err})") from None
 
 
 def hf_kind(config) -> str:
@@ -402,6 +458,7 @@ def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
     kind = hf_kind(config)
     if kind == "gpt":
         args = gpt2_args(config)
+        untie = untie or not config.tie_word_embeddings      # a GPT-2 with its own lm_head
         args = ModelArgs(**{**args.as_dict(), "untie_embeddings_and_output_weights": untie})
         model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True,
                                                 dtype=torch.float32)
@@ -412,33 +469,42 @@ def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
     return full_state_from_t5(model.state_dict(), args, where=directory), args
 
 
-def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> None:
-    """Save our full state as a transformers checkpoint directory (save_pretrained)."""
-    from transformers import GPT2LMHeadModel, T5ForConditionalGeneration
+def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
+             source: Mapping | None = None) -> None:
+    """Save our full state as a transformers checkpoint directory (save_pretrained): every
+    tensor, the output layer too when it is untied, and a config that says so; the config's
+    other fields are `source`'s (read_source_config) when given."""
+    from transformers import GPT2LMHeadModel
     if args.model == "t5":
-        model = T5ForConditionalGeneration(t5_config(args))
-        missing, unexpected = model.load_state_dict(t5_from_full_state(full, args),
-                                                    strict=False)
-        tied = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
-        if set(missing) - tied or unexpected:
+        model = t5_model(t5_config(args, source))
+        state = t5_from_full_state(full, args)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        shared = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+        if set(missing) - shared or unexpected:
             raise ConversionError(f"{directory}: T5 export left {missing} unset and "
                                   f"{unexpected} unused")
+        if model.lm_head.weight is model.shared.weight:
+            raise ConversionError(f"{directory}: transformers tied lm_head to the embedding")
         model.save_pretrained(directory)
         return
-    model = GPT2LMHeadModel(gpt2_config(args))
+    model = GPT2LMHeadModel(gpt2_config(args, source))
+    untied = args.untie_embeddings_and_output_weights
     missing, unexpected = model.load_state_dict(gpt2_from_full_state(full, args), strict=False)
-    if set(missing) - {"lm_head.weight"} or unexpected:
+    if set(missing) - (set() if untied else {"lm_head.weight"}) or unexpected:
         raise ConversionError(f"{directory}: GPT-2 export left {missing} unset and "
                               f"{unexpected} unused")
-    model.tie_weights()
+    if (model.lm_head.weight is model.transformer.wte.weight) == untied:
+        raise ConversionError(f"{directory}: transformers built a head that is "
+                              f"{'tied' if untied else 'untied'}, the checkpoint's is not")
     model.save_pretrained(directory)
 
 
-def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str) -> str:
+def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
+                    source: Mapping | None = None) -> str:
     """Save a converted model for training, the one place where the on-disk form is chosen: a
     layout-free, model-only checkpoint (iteration 0) that `--load DIR --finetune` reads at any
-    TP / PP / DP, plus its ModelArgs (the flags to train it with). Returns the iteration
-    directory."""
+    TP / PP / DP, plus its ModelArgs (the flags to train it with) and the source's config.json
+    (`source`, which export keeps the other fields of). Returns the iteration directory."""
     import json
     import os
 
@@ -448,7 +514,19 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
                  "decoder_num_layers": args.decoder_num_layers, "hidden_size": args.hidden_size,
                  "num_attention_heads": args.num_attention_heads,
                  "ffn_hidden_size": args.ffn_hidden_size,
-                 "max_position_embeddings": args.max_position_embeddings}
+                 "max_position_embeddings": args.max_position_embeddings,
+                 # what a run must build alike (the flags of training_flags), so that a load
+                 # with other flags is refused instead of training another function
+                 "untie_embeddings_and_output_weights":
+                     args.untie_embeddings_and_output_weights,
+                 "normalization": args.normalization, "norm_epsilon": args.layernorm_epsilon,
+                 "add_bias_linear": args.add_bias_linear,
+                 "gated_linear_unit": args.gated_linear_unit,
+                 "softmax_scale": args.softmax_scale, "kv_channels": args.kv_channels,
+                 "position_embedding_type": args.position_embedding_type,
+                 "relative_attention_num_buckets": args.relative_attention_num_buckets,
+                 "relative_attention_max_distance": args.relative_attention_max_distance,
+                 "vocab_size": args.vocab_size}
     folder = save_model_only_checkpoint(directory, 0, {n: t.contiguous() for n, t in full.items()},
                                         signature)
 
@@ -456,6 +534,11 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
         with open(tmp, "w") as f:
             json.dump(args.as_dict(), f, indent=1)
     atomic_write(os.path.join(directory, ARGS_FILE), write_args)
+    if source is not None:
+        def write_source(tmp):
+            with open(tmp, "w") as f:
+                json.dump(dict(source), f, indent=1)
+        atomic_write(os.path.join(directory, SOURCE_CONFIG_FILE), write_source)
     return folder
 
 

@@ -41,6 +41,7 @@ from typing import Mapping
 import torch
 import torch.utils.checkpoint
 from megatron.core import tensor_parallel
+from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -315,23 +316,40 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
 
 
 class OutputHead(torch.nn.Module):
-    """Final norm + vocab-parallel output layer + per-token cross-entropy."""
+    """Final norm + vocab-parallel output layer + per-token cross-entropy. The logits of
+    padded vocabulary rows (`unpadded_vocab_size` and beyond: rows that belong to no token)
+    are -inf, so they take no part in the softmax of the loss and no probability in the
+    logits returned: the loss is that of the unpadded model at any padding and TP."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int):
+    def __init__(self, config: TransformerConfig, vocab_size: int,
+                 unpadded_vocab_size: int = 0):
         super().__init__()
         self.final_norm = norm(config)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False)
+        self.unpadded_vocab_size = unpadded_vocab_size if unpadded_vocab_size < vocab_size \
+            else 0
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """This TP rank's logits slice with the columns of padded rows set to -inf."""
+        if not self.unpadded_vocab_size:
+            return logits
+        part = logits.shape[-1]
+        first = self.unpadded_vocab_size - part * get_tensor_model_parallel_rank()
+        if first >= part:
+            return logits
+        columns = torch.arange(max(first, 0), part, device=logits.device)
+        return logits.index_fill(-1, columns, float("-inf"))
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Per-token losses [rows, seq]; without labels, this TP rank's vocabulary slice of
         the logits [seq, rows, vocab / tp] (inference and the checkpoint-import tests)."""
         logits, _ = self.output_layer(self.final_norm(hidden))
         if labels is None:
-            return logits
+            return self.mask_padding(logits)
         losses = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float(), labels.transpose(0, 1).contiguous())
+            self.mask_padding(logits.float()), labels.transpose(0, 1).contiguous())
         return losses.transpose(0, 1).contiguous()   # [rows, seq]
 
 
@@ -379,7 +397,8 @@ class StageModule(torch.nn.Module):
         relative = spec.position_embedding_type == "relative"
         self.encoder_relative_pos = _relative(config, spec, True) if relative and n_enc else None
         self.decoder_relative_pos = _relative(config, spec, False) if relative and n_dec else None
-        self.head = OutputHead(config, spec.vocab_size) if self.has_head else None
+        self.head = (OutputHead(config, spec.vocab_size, spec.unpadded_vocab_size)
+                     if self.has_head else None)
         mark_tensor_parallel_weights(self)
         # as Megatron's Float16Module: the whole stage in the model dtype (megatron-core leaves
         # position embeddings and local-spec norms fp32); the loss is fp32 (OutputHead)

@@ -1,9 +1,10 @@
 """Layout-free checkpoints: save at one TP / PP / DP, load at any other.
 
 `DIR/iter_NNNNNNN/` holds
-  common.pt               (rank 0) format, iteration, model shape, the saving layout, the LR
-                          schedule, the sampler position and an index: which shard file holds
-                          which parameter;
+  common.pt               (rank 0) format, iteration, the model's flags (shape, layer options,
+                          vocabulary: model_signature), the saving layout, the LR schedule, the
+                          sampler position, an index (which shard file holds which parameter)
+                          and the SHA-256 of every other file;
   shards_ppPPP_tpTTT.pt   (data-parallel replica 0 only, one per (pp, tp) rank) this rank's
                           parameters and their optimizer state (Adam moments, step, fp32 main
                           weights of a bf16 model) as shards keyed by global parameter name
@@ -11,12 +12,14 @@
                           tensor; TP-replicated parameters are written by TP rank 0 only;
   rank_RRRRR.pt           (every rank) its RNG states and place in the layout;
 and `DIR/latest_checkpointed_iteration.txt`. A loading rank reads common.pt, then only the shard
-files the index names for its own parameters (memory-mapped: only the bytes it uses are read),
-assembles and slices them for its TP rank. The model shape (layers, hidden size, heads, ...)
-must match, the layout need not. A FlexTP run (--tp-balance) saves and loads in the even
-partition (training.checkpoint_layout; full_state.py, "Spare capacity"), so its files are those
-of an ordinary TP run. RNG states are restored on the same layout only; on another
-one rank 0 says so and every rank reseeds from --seed and the iteration. A checkpoint made by
+files the index names for its own parameters (each read once whole to verify its checksum, then
+memory-mapped), assembles and slices them for its TP rank. The model (shape, and every flag that
+changes its function: norm, epsilon, softmax scale, relative buckets, gated MLP, biases,
+vocabulary, ...) must match, naming the flag and both values; the layout need not. Tensors must
+be floating point and shaped like their parameter (Adam moments too). A FlexTP run
+(--tp-balance) saves and loads in the even partition (training.checkpoint_layout; full_state.py,
+"Spare capacity"), so its files are those of an ordinary TP run. RNG states are restored on the
+same layout only; on another one rank 0 says so and every rank reseeds from --seed and the iteration. A checkpoint made by
 `save_model_only_checkpoint` (e.g. tools/convert_checkpoint.py) holds weights only and is
 loaded with --finetune (or --no-load-optim). Format 2 (per-rank, layout-bound) checkpoints
 are refused with a message saying so.
@@ -33,13 +36,16 @@ refused without running anything in it.
 Fallback: `load_checkpoint` takes the newest iteration, at or below `latest`, that every rank
 can read. Each rank reads only the files it needs; the ranks agree with an all-reduce over the
 default group (no rank ever loads an iteration another rank skipped), so this also works where
-ranks do not share a file system. An unreadable file (missing, truncated, corrupt, unsafe) is
-skipped with a warning naming it; a readable file that does not fit this run (format, model
-shape, LR schedule) is an error, never a reason to go back.
+ranks do not share a file system. An unreadable file (missing, truncated, corrupt, unsafe, or
+bytes that do not have the checksum common.pt records) is skipped with a warning naming it; a
+readable file that does not fit this run (format, model, LR schedule) is an error, never a reason
+to go back. Every rank's save or load error is told to every rank, so each prints one line
+naming the rank and the file.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
 import random
@@ -52,15 +58,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.model.full_state import assemble, load_sharded_state, local_shards, whole
+from megatron.model.full_state import (assemble, load_sharded_state, local_shards,
+                                       state_problems, whole)
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 FORMAT_VERSION = 3   # 3: layout-free shards by global name; 2: per-rank files (refused)
 # Config fields that must match between the run that saved and the run that loads; the layout
-# (TP, PP, DP, world size) and the precision may differ.
+# (TP, PP, DP, world size) and the precision may differ. SHAPE_FIELDS are in every checkpoint;
+# FUNCTION_FIELDS (what changes the function without changing a tensor's shape) and the model's
+# vocabulary (VOCAB_FIELD: tokens with a row of their own, before padding) are compared when the
+# checkpoint records them (those written before they were recorded do not).
 SHAPE_FIELDS = ("model", "num_layers", "decoder_num_layers", "hidden_size",
                 "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
+FUNCTION_FIELDS = ("untie_embeddings_and_output_weights", "normalization", "norm_epsilon",
+                   "add_bias_linear", "gated_linear_unit", "softmax_scale", "kv_channels",
+                   "position_embedding_type", "relative_attention_num_buckets",
+                   "relative_attention_max_distance")
+VOCAB_FIELD = "vocab_size"
+FLAG_NAMES = {"model": "the model (pretrain_gpt.py / pretrain_t5.py)",
+              "add_bias_linear": "--disable-bias-linear (add_bias_linear)",
+              "gated_linear_unit": "--gated-gelu (gated_linear_unit)",
+              VOCAB_FIELD: "the vocabulary (tokens of the tokenizer, before padding)"}
 ITER_DIR = re.compile(r"iter_(\d{7})$")
 STALE_TEMP = re.compile(r"(rank_\d{5}\.pt|shards_pp\d{3}_tp\d{3}\.pt|" + re.escape(COMMON) +
                         "|" + re.escape(LATEST) + r")\.tmp\d+$")
@@ -131,13 +150,30 @@ def global_parameters(modules):
 
 # ---------------------------------------------------------------------------- saving
 
-def is_disk_full(err: BaseException) -> bool:
-    """ENOSPC, or what torch.save's zip writer raises when a write comes up short."""
+LOW_SPACE_BYTES = 1 << 20     # below this much free space, a failed write ran out of it
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes for this user on the file system of `path`'s directory (None if unknown)."""
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return None
+
+
+def is_disk_full(err: BaseException, path: str | None = None) -> bool:
+    """ENOSPC, or what torch.save's zip writer raises when a write comes up short; its bare
+    C++ stream error (`basic_ios::clear: iostream error`) counts when the file system of `path`
+    has (almost) no space left."""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         return True
     text = str(err)
-    return isinstance(err, RuntimeError) and ("unexpected pos" in text
-                                              or "PytorchStreamWriter failed" in text)
+    if not isinstance(err, RuntimeError):
+        return False
+    if "unexpected pos" in text or "PytorchStreamWriter failed" in text:
+        return True
+    free = free_bytes(path) if path else None
+    return "iostream error" in text and free is not None and free < LOW_SPACE_BYTES
 
 
 def atomic_write(path: str, write) -> None:
@@ -149,13 +185,26 @@ def atomic_write(path: str, write) -> None:
         write(tmp)
         os.replace(tmp, path)
     except BaseException as err:
+        full = is_disk_full(err, tmp)       # before the partial file frees its space
         if os.path.exists(tmp):
             os.remove(tmp)
-        if is_disk_full(err):
+        if full:
             raise OSError(errno.ENOSPC, f"cannot write {path}: the disk is full (no space left "
                                         f"on the device); nothing was left behind and the "
                                         f"previous checkpoint is intact") from err
+        if isinstance(err, RuntimeError) and "iostream error" in str(err):
+            raise OSError(errno.EIO, f"cannot write {path}: an I/O error ({err}); nothing was "
+                                     f"left behind and the previous checkpoint is intact") from err
         raise
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's bytes, hex (a checkpoint records one per file it indexes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_text(path: str, text: str) -> None:
@@ -299,9 +348,49 @@ def reseed(seed: int, iteration: int) -> None:
         torch.manual_seed(seed)
 
 
-def shape_signature(cfg) -> dict:
-    """The model-shape fields of `cfg` a checkpoint records and a load compares."""
-    return {name: getattr(cfg, name) for name in SHAPE_FIELDS}
+def model_vocab_size(modules) -> int | None:
+    """The vocabulary of the model the stage modules build (tokens before padding), or None
+    for modules that are not stages."""
+    for module in modules:
+        spec = getattr(module, "spec", None)
+        if spec is not None:
+            return spec.unpadded_vocab_size or spec.vocab_size
+    return None
+
+
+def model_signature(cfg, modules=()) -> dict:
+    """The fields of `cfg` (and the vocabulary of `modules`) a checkpoint records and a load
+    compares: SHAPE_FIELDS, FUNCTION_FIELDS, VOCAB_FIELD."""
+    signature = {name: getattr(cfg, name) for name in SHAPE_FIELDS}
+    signature.update({name: getattr(cfg, name) for name in FUNCTION_FIELDS if hasattr(cfg, name)})
+    vocab = model_vocab_size(modules)
+    if vocab is not None:
+        signature[VOCAB_FIELD] = vocab
+    return signature
+
+
+def signature_differences(saved: dict, now: dict) -> list[str]:
+    """'FLAG: saved X, now Y' for every field of `now` that differs from `saved` (fields the
+    checkpoint does not record are not compared, except SHAPE_FIELDS); kv_channels 0 means
+    hidden / heads, and the relative-bucket fields count only where either uses them."""
+    def kv(config):
+        return config.get("kv_channels") or config["hidden_size"] // config["num_attention_heads"]
+
+    relative = "relative" in (saved.get("position_embedding_type"),
+                              now.get("position_embedding_type"))
+    diffs = []
+    for name, value in now.items():
+        if name not in saved and name not in SHAPE_FIELDS:
+            continue
+        old = saved.get(name)
+        if name == "kv_channels":
+            old, value = kv(saved), kv(now)
+        if name.startswith("relative_attention") and not relative:
+            continue
+        if old != value:
+            diffs.append(f"{FLAG_NAMES.get(name, '--' + name.replace('_', '-'))}: saved "
+                         f"{old!r}, now {value!r}")
+    return diffs
 
 
 def is_split(param, tp_size: int) -> bool:
@@ -339,7 +428,7 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
     index = gather_index(shard_name, [n for n, _ in named] if shard_name else [])
     path = rank_file(directory, iteration, place.rank)
     head = {"version": FORMAT_VERSION, "iteration": iteration}
-    failure = None
+    failure, digests = None, {}
     try:
         os.makedirs(folder, exist_ok=True)
         if shard_name:
@@ -347,28 +436,30 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
             shards = dict(head, model=local_shards(named, place.tp_rank, place.tp),
                           optimizer={n: e for n, e in optimizer.sharded_state_dict(
                               place.tp_rank, place.tp).items() if n in keep})
-            atomic_write(os.path.join(folder, shard_name), lambda tmp: torch.save(shards, tmp))
+            shard_path = os.path.join(folder, shard_name)
+            atomic_write(shard_path, lambda tmp: torch.save(shards, tmp))
+            digests[shard_name] = file_digest(shard_path)
         own = dict(head, rank=place.rank, layout=layout_record(place), rng=capture_rng_state())
         atomic_write(path, lambda tmp: torch.save(own, tmp))
-        if place.rank == 0:
-            common = dict(head, config=shape_signature(cfg), layout=layout_record(place),
-                          index=index, model_only=False,
-                          opt_param_scheduler=optimizer.scheduler_state_dict(),
-                          sampler=sampler_state)
-            atomic_write(common_file(directory, iteration),
-                         lambda tmp: torch.save(common, tmp))
+        digests[os.path.basename(path)] = file_digest(path)
     except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = err
-    agree_or_raise(failure, f"iteration {iteration}: another rank could not write its "
-                            f"checkpoint files (see its error); {LATEST} in {directory} still "
-                            f"names the previous checkpoint")
+    checksums = {n: d for files in gather_names(digests) for n, d in files.items()}
+    agree_or_raise(failure, f"iteration {iteration}: checkpoint not saved ({LATEST} in "
+                            f"{directory} still names the previous checkpoint)")
     if place.rank == 0:
         try:
+            common = dict(head, config=model_signature(cfg, modules),
+                          layout=layout_record(place), index=index, model_only=False,
+                          opt_param_scheduler=optimizer.scheduler_state_dict(),
+                          sampler=sampler_state, checksums=checksums)
+            atomic_write(common_file(directory, iteration),
+                         lambda tmp: torch.save(common, tmp))
             mark_latest(directory, iteration, cfg.keep_last)
         except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
             failure = err
-    agree_or_raise(failure, f"iteration {iteration}: rank 0 could not update {LATEST} in "
-                            f"{directory} (see its error)")
+    agree_or_raise(failure, f"iteration {iteration}: checkpoint not saved (rank 0 could not "
+                            f"write {COMMON} or update {LATEST} in {directory})")
     return path
 
 
@@ -384,7 +475,8 @@ def save_model_only_checkpoint(directory: str, iteration: int, full_state: dict,
                                config_signature: dict) -> str:
     """Write model weights alone, {global name: full tensor}, as a checkpoint that `--load DIR
     --finetune` reads at any layout (one process, no collective; e.g. weights converted from
-    Hugging Face). `config_signature` holds every SHAPE_FIELDS entry (see shape_signature).
+    Hugging Face). `config_signature` holds every SHAPE_FIELDS entry and any of
+    FUNCTION_FIELDS and VOCAB_FIELD (see model_signature).
     Atomic like save_checkpoint: `latest` moves last. Returns the iteration directory."""
     missing = [k for k in SHAPE_FIELDS if k not in config_signature]
     if missing:
@@ -401,9 +493,12 @@ def save_model_only_checkpoint(directory: str, iteration: int, full_state: dict,
     head = {"version": FORMAT_VERSION, "iteration": iteration}
     shards = dict(head, model={n: whole(t) for n, t in full_state.items()}, optimizer={})
     atomic_write(os.path.join(folder, name), lambda tmp: torch.save(shards, tmp))
-    common = dict(head, config={k: config_signature[k] for k in SHAPE_FIELDS}, layout=None,
+    checksums = {name: file_digest(os.path.join(folder, name))}
+    recorded = SHAPE_FIELDS + FUNCTION_FIELDS + (VOCAB_FIELD,)
+    common = dict(head, config={k: v for k, v in config_signature.items() if k in recorded},
+                  layout=None,
                   index={name: sorted(full_state)}, model_only=True, opt_param_scheduler=None,
-                  sampler=None)
+                  sampler=None, checksums=checksums)
     atomic_write(common_file(directory, iteration), lambda tmp: torch.save(common, tmp))
     mark_latest(directory, iteration)
     return folder
@@ -416,9 +511,12 @@ def latest_iteration(directory: str) -> int:
     marker = os.path.join(directory, LATEST)
     if not os.path.isfile(marker):
         raise FileNotFoundError(f"--load {directory}: no {LATEST} (no complete checkpoint there)")
-    text = open(marker).read().strip()
+    with open(marker, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
     if not text.isdigit():
-        raise ValueError(f"{marker}: expected an iteration number, found {text!r}")
+        raise CheckpointError(f"{marker}: expected an iteration number, found {raw[:32]!r} "
+                              f"(not a checkpoint tracker file, or a corrupt one)")
     return int(text)
 
 
@@ -447,11 +545,21 @@ def load_weights_only(path: str, mmap: bool = False):
         torch.serialization.add_safe_globals(extra)
 
 
-def read_rank_file(path: str, mmap: bool = False) -> dict:
+def read_rank_file(path: str, mmap: bool = False, checksum: str | None = None) -> dict:
     """Load one checkpoint file with weights_only=True (memory-mapped if `mmap`: tensors are
-    read when used); UnreadableCheckpoint naming it otherwise."""
+    read when used); UnreadableCheckpoint naming it otherwise, or when its bytes do not have
+    the SHA-256 `checksum` (the one common.pt records for it: a bit flip anywhere in it)."""
     if not os.path.isfile(path):
         raise UnreadableCheckpoint(f"{path}: missing")
+    if checksum is not None:
+        try:
+            found = file_digest(path)
+        except OSError as err:
+            raise UnreadableCheckpoint(f"{path}: unreadable: {err}") from None
+        if found != checksum:
+            raise UnreadableCheckpoint(f"{path}: truncated or corrupt: its SHA-256 is "
+                                       f"{found[:16]}..., "
+                                       f"{COMMON} records {checksum[:16]}... for it")
     try:
         state = load_weights_only(path, mmap)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
@@ -485,13 +593,26 @@ def check_version(state: dict, path: str, iteration: int) -> None:
                                    f"directory says {iteration}")
 
 
-def check_shape(common: dict, path: str, cfg) -> None:
-    """Raise naming the file and every model-shape field that differs from this run's."""
-    diffs = [f"{k}: saved {common['config'].get(k)!r}, now {v!r}"
-             for k, v in shape_signature(cfg).items() if common["config"].get(k) != v]
+def check_model(common: dict, path: str, signature: dict) -> None:
+    """Raise naming the file and every model field (flag, both values) that differs from this
+    run's `signature` (model_signature)."""
+    diffs = signature_differences(common["config"], signature)
     if diffs:
         raise CheckpointError(f"{path}: checkpoint does not match this run's model (" +
                               "; ".join(diffs) + ")")
+
+
+def saved_vocab_size(directory: str) -> int | None:
+    """The vocabulary recorded by the latest checkpoint in `directory` (None when there is
+    none, it records none or cannot be read: the load says why). A run builds its model with
+    at least this many token rows: a checkpoint may have more rows than the run's tokenizer has
+    tokens (FLAN-T5: 32,128 rows, 32,100 tokens), and those rows keep their part in the
+    softmax."""
+    try:
+        vocab = read_common(directory)["config"].get(VOCAB_FIELD)
+    except (OSError, ValueError):
+        return None
+    return vocab if isinstance(vocab, int) else None
 
 
 def read_common(directory: str, iteration: int | None = None) -> dict:
@@ -523,6 +644,13 @@ class Loaded:
     rng: dict | None
 
 
+def checksum_of(common: dict, file_name: str) -> str | None:
+    """The SHA-256 common.pt records for `file_name` (None: checkpoints written before they
+    were recorded are read unverified)."""
+    checksums = common.get("checksums")
+    return checksums.get(file_name) if isinstance(checksums, dict) else None
+
+
 def read_shards(directory: str, iteration: int, common: dict, names: set[str],
                 with_optimizer: bool) -> tuple[dict, dict | None]:
     """The saved shards (and optimizer entries) of `names`, from the files the index names for
@@ -534,7 +662,7 @@ def read_shards(directory: str, iteration: int, common: dict, names: set[str],
         if not wanted:
             continue
         path = os.path.join(iteration_dir(directory, iteration), file_name)
-        state = read_rank_file(path, mmap=True)
+        state = read_rank_file(path, mmap=True, checksum=checksum_of(common, file_name))
         check_version(state, path, iteration)
         if not isinstance(state.get("model"), dict) or not isinstance(state.get("optimizer"),
                                                                       dict):
@@ -556,11 +684,13 @@ def what_to_load(cfg) -> tuple[bool, bool]:
             not (finetune or getattr(cfg, "no_load_rng", False)))
 
 
-def read_checked(directory: str, iteration: int, cfg, place, names: set[str]) -> Loaded:
-    """What this rank needs of `iteration`, read and checked against this run."""
+def read_checked(directory: str, iteration: int, cfg, place, names: set[str],
+                 signature: dict) -> Loaded:
+    """What this rank needs of `iteration`, read and checked against this run (`signature`:
+    model_signature)."""
     common = read_common(directory, iteration)
     path = common_file(directory, iteration)
-    check_shape(common, path, cfg)
+    check_model(common, path, signature)
     load_optim, load_rng = what_to_load(cfg)
     if common["model_only"] and load_optim:
         raise CheckpointError(f"{path}: holds model weights only (no optimizer or LR schedule "
@@ -569,7 +699,7 @@ def read_checked(directory: str, iteration: int, cfg, place, names: set[str]) ->
     rng = None
     if load_rng and common["layout"] == layout_record(place):
         own_path = rank_file(directory, iteration, place.rank)
-        own = read_rank_file(own_path)
+        own = read_rank_file(own_path, checksum=checksum_of(common, os.path.basename(own_path)))
         check_version(own, own_path, iteration)
         if own.get("rank") != place.rank or "rng" not in own:
             raise UnreadableCheckpoint(f"{own_path}: not rank {place.rank}'s file with RNG "
@@ -579,12 +709,16 @@ def read_checked(directory: str, iteration: int, cfg, place, names: set[str]) ->
 
 
 def agree_or_raise(failure: Exception | None, others: str) -> None:
-    """Every rank learns whether any rank failed: the failed ones raise their own error, the
-    rest a CheckpointError saying `others`, so no rank waits in a collective for a dead one."""
-    if count_over_ranks(failure is not None):
+    """Every rank learns whether any rank failed, and why: the failed ones raise their own
+    error, the rest a CheckpointError saying `others` and each failed rank's error (one line
+    on every rank: a full disk on one rank is named on all), so no rank waits in a collective
+    for a dead one."""
+    reasons = gather_names(None if failure is None else str(failure).replace("\n", " "))
+    if any(reasons):
         if failure is not None:
             raise failure
-        raise CheckpointError(others)
+        raise CheckpointError(f"{others}: " + "; ".join(
+            f"rank {r}: {why}" for r, why in enumerate(reasons) if why))
 
 
 def reduce_over_ranks(values: list[int], op) -> list[int]:
@@ -608,7 +742,7 @@ def lowest_and_highest(value: int) -> tuple[int, int]:
     return -minus_low, high
 
 
-def choose_checkpoint(directory: str, cfg, place, names: set[str]):
+def choose_checkpoint(directory: str, cfg, place, names: set[str], signature: dict):
     """(iteration, what this rank read of it: Loaded) of the newest complete checkpoint that
     every rank can read; a collective over the default group. Warns naming each file this
     rank skipped."""
@@ -623,7 +757,7 @@ def choose_checkpoint(directory: str, cfg, place, names: set[str]):
             iteration, state = -1, None
             for candidate in (c for c in candidates if c <= bound):
                 try:
-                    state = read_checked(directory, candidate, cfg, place, names)
+                    state = read_checked(directory, candidate, cfg, place, names, signature)
                 except UnreadableCheckpoint as err:
                     skipped.append(str(err))
                     continue
@@ -631,8 +765,7 @@ def choose_checkpoint(directory: str, cfg, place, names: set[str]):
                     fatal = err
                 iteration = candidate
                 break
-        agree_or_raise(fatal, f"--load {directory}: another rank refused its checkpoint file "
-                              f"(see its error)")
+        agree_or_raise(fatal, f"--load {directory}: another rank refused its checkpoint file")
         low, high = lowest_and_highest(iteration)
         if low == high:
             break
@@ -669,7 +802,8 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
     Returns (completed iterations, sampler state or None)."""
     place = layout or data_parallel_place(rank, world_size)
     named = list(global_parameters(modules))
-    iteration, loaded = choose_checkpoint(directory, cfg, place, {n for n, _ in named})
+    iteration, loaded = choose_checkpoint(directory, cfg, place, {n for n, _ in named},
+                                          model_signature(cfg, modules))
     common, path = loaded.common, common_file(directory, iteration)
     used = set().union(*gather_names(sorted(n for n, _ in named)))
     unused = sorted({n for held in common["index"].values() for n in held} - used)
@@ -701,6 +835,8 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
             raise CheckpointError(f"{path}: the LR scheduler took {scheduler.get('num_steps')} "
                                   f"steps in {iteration} iterations")
         optimizer.load_scheduler_state_dict(scheduler, scheduler_policy(cfg), where=path)
+        check_optimizer_state(named, loaded.optimizer, place.tp, common["index"],
+                              iteration_dir(directory, iteration))
         try:
             optimizer.load_sharded_state_dict(loaded.optimizer, place.tp_rank, place.tp,
                                               where=iteration_dir(directory, iteration))
@@ -722,6 +858,34 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
                   f"rank reseeds from --seed and iteration {iteration}", flush=True)
         reseed(cfg.seed, iteration)
     return start, (None if finetune else common["sampler"])
+
+
+OPTIMIZER_TENSORS = ("exp_avg", "exp_avg_sq", "main")   # shaped like the parameter
+
+
+def check_optimizer_state(named, optimizer_shards: dict, tp_size: int, index: dict,
+                          folder: str) -> None:
+    """CheckpointError naming the shard file and the tensor when a saved Adam moment or main
+    weight is not shaped like its parameter or not floating point (instead of an assert deep
+    in the first optimizer step)."""
+    problems = []
+    for name, param in named:
+        entries = optimizer_shards.get(name) or []
+        for key in OPTIMIZER_TENSORS:
+            if not entries or not all(key in e for e in entries):
+                continue
+            found = state_problems(f"{name} ({key})", [e[key] for e in entries], param, tp_size)
+            if found:
+                files = [os.path.join(folder, f) for f, held in sorted(index.items())
+                         if name in held]
+                problems += [f"{p} in {' / '.join(files)}" for p in found]
+        step = entries[0].get("step") if entries else None
+        if entries and not (isinstance(step, torch.Tensor) and step.numel() == 1):
+            problems.append(f"{name} (step): not a one-element tensor")
+    if problems:
+        raise CheckpointError(f"{folder}: optimizer state does not fit this model: "
+                              + "; ".join(problems[:8])
+                              + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
 
 
 def read_full_model_state(directory: str, iteration: int | None = None) -> dict:

@@ -227,10 +227,13 @@ def sampler_settings(cfg: TrainConfig) -> dict:
 # ---------------------------------------------------------------------------- model
 
 def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
+    """The model of `cfg` with `vocab_size` token rows (padded as --make-vocab-size-divisible-by
+    and TP say; the padding is left out of the softmax)."""
     return ModelSpec(model=cfg.model, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
                      vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size,
                                                   cfg.make_vocab_size_divisible_by),
+                     unpadded_vocab_size=vocab_size,
                      num_decoder_layers=cfg.decoder_num_layers,
                      ffn_hidden_size=cfg.ffn_hidden_size,
                      max_position_embeddings=cfg.max_position_embeddings,
@@ -427,7 +430,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     check_device_precision(cfg, use_cuda())
     data = open_training_data(cfg, rank)
     valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None
-    spec = model_spec(cfg, data.vocab_size)
+    # a checkpoint with more token rows than the tokenizer has tokens keeps them (FLAN-T5);
+    # one with fewer is refused at load (checkpointing.signature_differences)
+    saved_vocab = checkpointing.saved_vocab_size(cfg.load) if cfg.load else None
+    spec = model_spec(cfg, max(data.vocab_size, saved_vocab or 0))
     try:
         spec = dataclasses.replace(spec, pipeline_cut=given_cut(cfg, spec))
     except ValueError as err:
