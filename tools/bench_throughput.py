@@ -1039,23 +1039,26 @@ def run_job(job: dict, nproc: int, timeout_s: float, log) -> list[dict]:
     work = Path(job["result_file"]).parent
     job_file = work / f"job_{job['model']}_{job['max_len']}.json"
     job_file.write_text(json.dumps(job))
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           str(Path(__file__).resolve()), "worker", str(job_file)]
     env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]), PYTHONWARNINGS="ignore")
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        output, failed = proc.stdout, proc.returncode != 0
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) \
-            else (exc.stdout or "")
-        output += f"\n[bench] timed out after {timeout_s:.0f} s"
-        failed = True
-    log.write(output)
-    log.flush()
+    for attempt in range(3):
+        # a free port can be taken by another process before torchrun binds it: try anew
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(Path(__file__).resolve()), "worker", str(job_file)]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            output, failed = proc.stdout, proc.returncode != 0
+        except subprocess.TimeoutExpired as exc:
+            output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) \
+                else (exc.stdout or "")
+            output += f"\n[bench] timed out after {timeout_s:.0f} s"
+            failed = True
+        log.write(output)
+        log.flush()
+        if not (failed and "EADDRINUSE" in output and not Path(job["result_file"]).exists()):
+            break
     rows = json.loads(Path(job["result_file"]).read_text()) \
         if Path(job["result_file"]).exists() else []
     done = {r["strategy"] for r in rows}
