@@ -25,8 +25,8 @@ from megatron.core import parallel_state
 from dynapipe_ext.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.iteration_planner import (IterationPlannerConfig, pipeline_layout,
-                                            stage_layout)
+from dynapipe_ext.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
+                                            pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -39,7 +39,7 @@ from megatron.model.stages import (build_rank_stages, build_transformer_config, 
                                    replica_groups)
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
-                                         split_units)
+                                         pipeline_stage_count, split_units, virtual_stages)
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
@@ -236,7 +236,7 @@ def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
     if cfg.pipeline_split == "even":
         return ()
     from dynapipe_ext.model_spec import balanced_cut
-    num_stages = len(stage_layout(cfg.pipeline_schedule, cfg.pipeline_model_parallel_size))
+    num_stages = pipeline_stage_count(cfg)
     units = split_units(cfg.pipeline_split)
     if units is None:
         return balanced_cut([1.0] * (2 * spec.num_layers), num_stages)
@@ -314,7 +314,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size,
+        tp=cfg.tensor_model_parallel_size, waves=cfg.pipeline_waves,
+        virtual_stages=virtual_stages(cfg),
         cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
         comm=device_costs.comm_model(cfg), replica_split=replica_split(cfg))
@@ -414,6 +415,16 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         raise RunSetupError(str(err)) from err
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
+    if (cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even"
+            and plan_cfg.cost_model.kind == "analytic"):   # a profile is made after set-up
+        try:
+            plan_cfg = choose_auto_layout(plan_cfg, data.batch_lengths(0))
+        except ValueError as err:
+            raise RunSetupError(str(err)) from err
+        if verbose and rank == 0 and plan_cfg.pp > 1:
+            print(f"[train] --pipeline-schedule auto: {plan_cfg.auto_layout} layout "
+                  f"({len(pipeline_layout(plan_cfg))} stages), predicted fastest on the first "
+                  f"batch", flush=True)
     stage_to_rank = pipeline_layout(plan_cfg)
     layout = setup_model_parallel(
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
