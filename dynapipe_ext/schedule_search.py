@@ -23,8 +23,8 @@ from .cost_model import CostModel
 from .microbatch import MicroBatch
 from .model_spec import ModelSpec, stage_output_shapes
 from .schedule_ir import Schedule, ScheduleError, forward_only
-from .schedules import (MemoryLimitError, adaptive_search, fit_warmup, hanayo,
-                        interleaved_one_f_one_b, one_f_one_b)
+from .schedules import (MemoryLimitError, adaptive_search, fit_levels, hanayo_levels,
+                        interleaved_levels, one_f_one_b)
 from .simulator import CommModel, PipelineCosts, SimResult, simulate
 
 SCHEDULE_NAMES = ("1f1b", "adaptive", "wave", "interleaved")
@@ -69,10 +69,10 @@ def _build(name: str, arg: int, costs: PipelineCosts, num_ranks: int, memory_lim
     if name == "adaptive":
         return adaptive_search(costs, memory_limit, comm, stage_to_rank=adaptive_layout).schedule
     if name == "wave":
-        return fit_warmup(lambda cut: hanayo(num_mb, num_ranks, arg, cut), costs,
-                          memory_limit, f"wave{arg}")
-    return fit_warmup(lambda cut: interleaved_one_f_one_b(num_mb, num_ranks, arg, cut), costs,
-                      memory_limit, f"interleaved{arg}")
+        return fit_levels(hanayo_levels(num_mb, num_ranks, arg), costs, memory_limit,
+                          f"wave{arg}")
+    return fit_levels(interleaved_levels(num_mb, num_ranks, arg), costs, memory_limit,
+                      f"interleaved{arg}")
 
 
 def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[int],
@@ -94,8 +94,8 @@ def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
                         adaptive_layout: Sequence[int] | None = None) -> list[Candidate]:
     """Build and simulate every allowed candidate ('wave' once per W in `waves`,
     'interleaved' once per v in `chunks`; 'adaptive' on `adaptive_layout`, default linear).
-    Wave and interleaved are cut to fit `memory_limit` by running fewer warm-up forwards
-    (schedules.fit_warmup)."""
+    Wave and interleaved are fitted to `memory_limit` with fewer micro-batches in flight
+    (schedules.fit_levels)."""
     layout = tuple(adaptive_layout) if adaptive_layout is not None else None
     unknown = [c for c in candidates if c not in SCHEDULE_NAMES]
     if unknown or not candidates:

@@ -48,8 +48,8 @@ def _warmup_then_1f1b(fw: Sequence[Action], bw: Sequence[Action], warmup: int) -
 def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_orders,
             warmups: Sequence[int]) -> Schedule:
     """The 1F1B-phased schedule of per-rank forward / backward orders and warm-up counts,
-    with every warm-up raised alike until the order cannot deadlock (checked by simulating
-    it; all forwards first never deadlocks when the orders follow the dependencies)."""
+    with every warm-up raised alike until the order cannot deadlock, checked by simulating it
+    (all forwards first never deadlocks when the orders follow the dependencies)."""
     from .simulator import simulate   # local: keeps the module graph one-directional
     costs = uniform_costs(num_mb, len(layout))
     most = max(len(f) for f in fw_orders)
@@ -62,17 +62,17 @@ def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_order
             return schedule
         except ScheduleError:
             continue
-    raise ScheduleError(f"{name}: no warm-up makes the order run")   # orders break dependencies
+    raise ScheduleError(f"{name}: the order breaks a dependency")   # not for these orders
 
 
-def interleaved_orders(num_mb: int, num_ranks: int, chunks: int):
-    """Megatron's interleaved order, per rank: forwards in groups of P micro-batches, each
-    group chunk by chunk (stage r, r+P, ...), backwards likewise with the chunks reversed.
-    A last group of fewer than P micro-batches (variable micro-batch counts) is taken the
-    same way."""
+def interleaved_orders(num_mb: int, num_ranks: int, chunks: int, group: int):
+    """Megatron's interleaved order, per rank: forwards in groups of `group` micro-batches
+    (P in Megatron; its microbatch_group_size_per_vp_stage), each group chunk by chunk
+    (stage r, r+P, ...), backwards likewise with the chunks reversed. A last, shorter group
+    (variable micro-batch counts) is taken the same way."""
     layout = interleaved_layout(num_ranks, chunks)
     fw_orders, bw_orders = [], []
-    groups = [range(g, min(g + num_ranks, num_mb)) for g in range(0, num_mb, num_ranks)]
+    groups = [range(g, min(g + group, num_mb)) for g in range(0, num_mb, group)]
     for r in range(num_ranks):
         own = stages_of_rank(layout, r)
         fw_orders.append([Action(s, FORWARD, m) for g in groups for s in own for m in g])
@@ -80,95 +80,104 @@ def interleaved_orders(num_mb: int, num_ranks: int, chunks: int):
     return layout, fw_orders, bw_orders
 
 
-def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int,
-                            warmup_cut: int = 0) -> Schedule:
+def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int, group: int | None = None,
+                            slope: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B (virtual pipeline, Narayanan et al. 2021): v = `chunks`
     stages per rank (stage s on rank s mod P), micro-batches in groups of P, rank r runs
     (v-1)*P + 2*(P-r-1) warm-up forwards, then 1F1B, then drains. On even stages with m a
-    multiple of P its bubble is (P-1)/(v*m + P-1) of the makespan. Any m works (a short last
-    group). `warmup_cut` runs that many fewer warm-up forwards on every rank (not below the
-    (v-1)*P the order needs): fewer micro-batches in flight, less memory, more bubble."""
+    multiple of P its bubble is (P-1)/(v*m + P-1) of the makespan and its peak
+    ((v+1)*P - 1)/(v*P) model copies of activations (rank 0). Any m works (a short last
+    group). Fewer micro-batches in flight (less memory): `slope` 1 or 0 instead of 2 warm-up
+    forwards per later rank, `group` < P micro-batches per chunk round (interleaved_levels)."""
     _check_counts(num_mb, num_ranks)
-    if chunks < 1 or warmup_cut < 0:
-        raise ScheduleError(f"interleaved 1F1B needs chunks >= 1 and warmup_cut >= 0, got "
-                            f"chunks={chunks}, warmup_cut={warmup_cut}")
-    layout, fw_orders, bw_orders = interleaved_orders(num_mb, num_ranks, chunks)
-    floor = (chunks - 1) * num_ranks
-    warmups = [max(floor, floor + 2 * (num_ranks - r - 1) - warmup_cut)
-               for r in range(num_ranks)]
+    group = num_ranks if group is None else group
+    if chunks < 1 or group < 1 or slope < 0:
+        raise ScheduleError(f"interleaved 1F1B needs chunks >= 1, group >= 1 and slope >= 0, "
+                            f"got chunks={chunks}, group={group}, slope={slope}")
+    layout, fw_orders, bw_orders = interleaved_orders(num_mb, num_ranks, chunks, group)
+    warmups = [(chunks - 1) * group + slope * (num_ranks - r - 1) for r in range(num_ranks)]
     return _phased(f"interleaved{chunks}", layout, num_mb, fw_orders, bw_orders, warmups)
 
 
-def hanayo_orders(num_mb: int, num_ranks: int, waves: int):
+def interleaved_levels(num_mb: int, num_ranks: int, chunks: int) -> list:
+    """Interleaved 1F1B builds from most to least memory: Megatron's, warm-up slopes 1 and
+    0, then groups of P-1 .. 1 micro-batches (slope 1); what fit_levels walks."""
+    first = [dict(slope=2), dict(slope=1), dict(slope=0)]
+    return [lambda kw=kw: interleaved_one_f_one_b(num_mb, num_ranks, chunks, **kw)
+            for kw in first + [dict(group=g, slope=1) for g in range(num_ranks - 1, 0, -1)]]
+
+
+def hanayo_orders(num_mb: int, num_ranks: int, waves: int, group: int | None = None):
     """Hanayo's wave order, per rank: micro-batches enter stage 0 back to back, so micro-batch
     i reaches stage s at step i + s; a rank runs its forwards in that order (ties: the earlier
-    micro-batch), its backwards in the mirrored order (step i + S-1-s)."""
+    micro-batch), its backwards in the mirrored order (step i + S-1-s). With `group`, the
+    micro-batches go in rounds of that many, one round's wave after the other."""
     layout = wave_layout(num_ranks, waves)
     last = len(layout) - 1
+    group = group or num_mb
     fw_orders, bw_orders = [], []
     for r in range(num_ranks):
         own = stages_of_rank(layout, r)
-        fw = sorted(((m + s, m, s) for m in range(num_mb) for s in own))
-        bw = sorted(((m + last - s, m, s) for m in range(num_mb) for s in own))
-        fw_orders.append([Action(s, FORWARD, m) for _, m, s in fw])
-        bw_orders.append([Action(s, BACKWARD, m) for _, m, s in bw])
+        fw = sorted(((m // group, m % group + s, m, s) for m in range(num_mb) for s in own))
+        bw = sorted(((m // group, m % group + last - s, m, s) for m in range(num_mb)
+                     for s in own))
+        fw_orders.append([Action(s, FORWARD, m) for *_, m, s in fw])
+        bw_orders.append([Action(s, BACKWARD, m) for *_, m, s in bw])
     return layout, fw_orders, bw_orders
 
 
-def hanayo_warmups(num_ranks: int, waves: int) -> list[int]:
-    """Warm-up forwards of rank r in Hanayo's schedule: 2*(2W-1)*P + r. The last stage sits
-    on rank 0 (the waves end where they start), so backwards begin there and the warm-up
-    grows with r, the mirror of 1F1B's; on even stages a rank then holds
-    2*(2W-1)*P + r + 1 stage activations at its peak, each 1/(2*W*P) of the model."""
-    return [2 * (2 * waves - 1) * num_ranks + r for r in range(num_ranks)]
+def hanayo_warmups(num_ranks: int, waves: int, group: int | None = None) -> list[int]:
+    """Warm-up forwards of rank r in Hanayo's schedule: 2*(2W-1)*P + r (in rounds of g < 2P
+    micro-batches: (2W-1)*g + r). The last stage sits on rank 0 (the waves end where they
+    start), so backwards begin there and the warm-up grows with r, the mirror of 1F1B's; at
+    m = 2P on even stages rank r then holds 2*(2W-1)*P + r + 1 stage activations at its
+    peak, each 1/(2*W*P) of the model."""
+    span = 2 * num_ranks if group is None else min(group, 2 * num_ranks)
+    return [(2 * waves - 1) * span + r for r in range(num_ranks)]
 
 
-def hanayo(num_mb: int, num_ranks: int, waves: int = 1, warmup_cut: int = 0) -> Schedule:
+def hanayo(num_mb: int, num_ranks: int, waves: int = 1, group: int | None = None) -> Schedule:
     """Hanayo's wave schedule (Liu et al., SC'23): the model in 2*W*P stages folded W times
     down and up over the P ranks (schedule_ir.wave_layout: rank r holds stages r, 2P-1-r,
     2P+r, ...; no transfer at a turning point), each rank in 1F1B phases over the wave order
     (hanayo_orders) with hanayo_warmups forwards first. On even stages with m >= 2P its
     bubble is the paper's (P-1)/(2*W*m + P-1), that of interleaving with v = 2W chunks
     (test_schedules); with m < 2P all forwards run first. Its peak is (4W-1)/(2W) model
-    copies of activations at m = 2P and grows with m beyond (where the warm-up needs more
-    forwards to run at all); under a memory limit `fit_warmup` cuts the warm-up.
-    `warmup_cut`: that many fewer warm-up forwards on every rank (less memory, more bubble).
-    The data-independent order; `wave_search` (greedy_order on the wave layout) instead
-    rebuilds the order from each iteration's costs under the memory limit."""
+    copies of activations at m = 2P; for larger m the order needs more warm-up forwards to
+    run at all (up to 2W*(S-2) + 1, S = 2*W*P stages), so the peak grows with m up to about
+    2.3 copies (W=1) or 3.8 (W=2) (docs/BENCHMARKS.md, Schedules). `group`: rounds of that
+    many micro-batches (hanayo_levels), less memory and more bubble. The order is fixed by
+    the shape alone; `wave_search` (greedy_order on the wave layout) instead rebuilds it
+    from each iteration's costs under the memory limit."""
     _check_counts(num_mb, num_ranks)
-    if waves < 1 or warmup_cut < 0:
-        raise ScheduleError(f"wave schedule needs waves >= 1 and warmup_cut >= 0, got "
-                            f"waves={waves}, warmup_cut={warmup_cut}")
-    layout, fw_orders, bw_orders = hanayo_orders(num_mb, num_ranks, waves)
-    warmups = [max(0, w - warmup_cut) for w in hanayo_warmups(num_ranks, waves)]
-    return _phased(f"wave{waves}", layout, num_mb, fw_orders, bw_orders, warmups)
+    if waves < 1 or (group is not None and group < 1):
+        raise ScheduleError(f"wave schedule needs waves >= 1 and group >= 1, got "
+                            f"waves={waves}, group={group}")
+    layout, fw_orders, bw_orders = hanayo_orders(num_mb, num_ranks, waves, group)
+    return _phased(f"wave{waves}", layout, num_mb, fw_orders, bw_orders,
+                   hanayo_warmups(num_ranks, waves, group))
 
 
-def fit_warmup(build, costs: PipelineCosts, memory_limit: float, name: str) -> Schedule:
-    """build(warmup_cut) with the smallest cut whose peak fits `memory_limit` (a cut never
-    raises memory, so the search halves the range); MemoryLimitError naming the lowest peak
-    when even the largest cut does not fit."""
+def hanayo_levels(num_mb: int, num_ranks: int, waves: int) -> list:
+    """Hanayo builds from most to least memory: all micro-batches in one wave, then rounds
+    of 2P-1 .. 1 micro-batches; what fit_levels walks."""
+    groups = [None] + [g for g in range(2 * num_ranks - 1, 0, -1) if g < num_mb]
+    return [lambda g=g: hanayo(num_mb, num_ranks, waves, g) for g in groups]
+
+
+def fit_levels(builds, costs: PipelineCosts, memory_limit: float, name: str) -> Schedule:
+    """The first of `builds` (callables, from most to least memory) whose peak under `costs`
+    fits `memory_limit`; MemoryLimitError naming the lowest peak otherwise."""
     from .simulator import peak_memory
-    def peak(cut: int) -> tuple[Schedule, float]:
-        schedule = build(cut)
-        return schedule, max(peak_memory(schedule, costs))
-    schedule, top = peak(0)
-    if top <= memory_limit:
-        return schedule
-    most = 2 * costs.num_stages * costs.num_micro_batches
-    lowest_schedule, lowest = peak(most)
-    if lowest > memory_limit:
-        raise MemoryLimitError(f"{name}: no warm-up fits the memory limit {memory_limit:.4g} "
-                               f"bytes; lowest peak {lowest:.4g}")
-    lo, hi, best = 0, most, lowest_schedule
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        got, top = peak(mid)
+    lowest = math.inf
+    for build in builds:
+        schedule = build()
+        top = max(peak_memory(schedule, costs))
         if top <= memory_limit:
-            hi, best = mid, got
-        else:
-            lo = mid
-    return best
+            return schedule
+        lowest = min(lowest, top)
+    raise MemoryLimitError(f"{name}: no warm-up fits the memory limit {memory_limit:.4g} "
+                           f"bytes; lowest peak found {lowest:.4g}")
 
 
 def _check_counts(num_mb: int, num_ranks: int) -> None:
