@@ -278,3 +278,34 @@ def test_cost_model_defaults_to_a_profile_on_gpu_only(monkeypatch):
     assert parse_args("gpt", BASE, has_cuda=True).cost_model == "analytic"
     assert parse_args("gpt", BASE + ["--cost-model", "analytic"],
                       has_cuda=True).cost_model == "analytic"
+
+
+def test_wave_and_interleaved_flags_set_the_stage_count(capsys):
+    from megatron.training.arguments import pipeline_stage_count, virtual_stages
+    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "8"]
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "wave", "--pipeline-waves", "2"],
+                     has_cuda=False)
+    assert cfg.pipeline_waves == 2 and pipeline_stage_count(cfg) == 8
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved",
+                                          "--num-virtual-stages-per-pipeline-rank", "4"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 4 and pipeline_stage_count(cfg) == 8
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved",
+                                          "--num-layers-per-virtual-pipeline-stage", "1"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 4      # Megatron's spelling: 8 layers / (2 ranks x 1)
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved"], has_cuda=False)
+    assert virtual_stages(cfg) == 2 and pipeline_stage_count(cfg) == 4
+    err = parse_or_exit_message(capsys, "gpt", pp2 + ["--pipeline-schedule", "interleaved",
+                                                      "--num-layers-per-virtual-pipeline-stage",
+                                                      "3"])
+    assert "--num-layers-per-virtual-pipeline-stage 3: 8 layers are not a whole number" in err
+    err = parse_or_exit_message(capsys, "gpt", ["--pipeline-model-parallel-size", "2",
+                                                "--pipeline-schedule", "wave",
+                                                "--pipeline-waves", "2"])
+    assert ("--pipeline-schedule wave with --pipeline-waves 2 cuts the model into 8 stages"
+            in err and "4 layers do not split evenly" in err)
+    err = parse_or_exit_message(capsys, "t5", ["--pipeline-model-parallel-size", "2",
+                                               "--num-layers", "1", "--pipeline-schedule",
+                                               "interleaved"])
+    assert "T5 stages hold whole layers" in err
