@@ -304,7 +304,7 @@ def test_wave_and_interleaved_flags_set_the_stage_count(capsys):
                                                 "--pipeline-schedule", "wave",
                                                 "--pipeline-waves", "2"])
     assert ("--pipeline-schedule wave with --pipeline-waves 2 cuts the model into 8 stages"
-            in err and "4 layers do not split evenly" in err)
+            in err and "4 transformer layers do not split evenly over 8 pipeline stages" in err)
     err = parse_or_exit_message(capsys, "t5", ["--pipeline-model-parallel-size", "2",
                                                "--num-layers", "1", "--pipeline-schedule",
                                                "interleaved"])

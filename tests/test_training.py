@@ -457,9 +457,12 @@ def test_ranks_resuming_from_different_checkpoints_is_an_error_on_every_rank():
                "20, rank 1: iteration 10)" in msg
 
 
-def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(monkeypatch,
+def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(capsys,
                                                                               sp_dataset):
-    msg = setup_error(monkeypatch, "gpt", sp_dataset + ["--num-layers", "2",
-                                                        "--pipeline-model-parallel-size", "2",
-                                                        "--pipeline-schedule", "wave"])
+    with pytest.raises(SystemExit):      # at parsing, before any process group exists
+        parse_args("gpt", sp_dataset + ["--num-layers", "2", "--hidden-size", "32",
+                                        "--num-attention-heads", "2", "--train-iters", "2",
+                                        "--pipeline-model-parallel-size", "2",
+                                        "--pipeline-schedule", "wave"], has_cuda=False)
+    msg = capsys.readouterr().err
     assert "2 transformer layers do not split evenly over 4 pipeline stages" in msg

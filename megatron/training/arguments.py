@@ -391,8 +391,9 @@ def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
             f"rank")
     if cfg.pipeline_split == "even" and total % stages:
         problems.append(f"{what} cuts the model into {stages} stages at "
-                        f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}, "
-                        f"but {total} layers do not split evenly over them ("
+                        f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
+                        f"{total} transformer layers do not split evenly over {stages} "
+                        f"pipeline stages ("
                         + ("T5 stages hold whole layers" if cfg.model == "t5" else
                            "GPT: --pipeline-split balanced cuts in half layers") + ")")
     elif cfg.pipeline_split not in ("even", "balanced") and \
