@@ -70,9 +70,9 @@ def _build(name: str, arg: int, costs: PipelineCosts, num_ranks: int, memory_lim
         return adaptive_search(costs, memory_limit, comm, stage_to_rank=adaptive_layout).schedule
     if name == "wave":
         return fit_levels(hanayo_levels(num_mb, num_ranks, arg), costs, memory_limit,
-                          f"wave{arg}")
+                          f"wave{arg}", comm)
     return fit_levels(interleaved_levels(num_mb, num_ranks, arg), costs, memory_limit,
-                      f"interleaved{arg}")
+                      f"interleaved{arg}", comm)
 
 
 def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[int],

@@ -165,19 +165,28 @@ def hanayo_levels(num_mb: int, num_ranks: int, waves: int) -> list:
     return [lambda g=g: hanayo(num_mb, num_ranks, waves, g) for g in groups]
 
 
-def fit_levels(builds, costs: PipelineCosts, memory_limit: float, name: str) -> Schedule:
-    """The first of `builds` (callables, from most to least memory) whose peak under `costs`
-    fits `memory_limit`; MemoryLimitError naming the lowest peak otherwise."""
-    from .simulator import peak_memory
-    lowest = math.inf
+def fit_levels(builds, costs: PipelineCosts, memory_limit: float, name: str,
+               comm: CommModel | None = None) -> Schedule:
+    """Of `builds` (callables, from most to least memory), the one with the smallest
+    simulated makespan among those whose peak under `costs` fits `memory_limit` (the first
+    that fits when there is no limit); MemoryLimitError naming the lowest peak otherwise."""
+    from .simulator import peak_memory, simulate
+    lowest, best = math.inf, None
     for build in builds:
         schedule = build()
         top = max(peak_memory(schedule, costs))
-        if top <= memory_limit:
-            return schedule
         lowest = min(lowest, top)
-    raise MemoryLimitError(f"{name}: no warm-up fits the memory limit {memory_limit:.4g} "
-                           f"bytes; lowest peak found {lowest:.4g}")
+        if top > memory_limit:
+            continue
+        if memory_limit == math.inf:
+            return schedule
+        span = simulate(schedule, costs, comm, validate=False).makespan_ms
+        if best is None or span < best[0]:
+            best = (span, schedule)
+    if best is None:
+        raise MemoryLimitError(f"{name}: no warm-up fits the memory limit {memory_limit:.4g} "
+                               f"bytes; lowest peak found {lowest:.4g}")
+    return best[1]
 
 
 def _check_counts(num_mb: int, num_ranks: int) -> None:

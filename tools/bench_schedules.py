@@ -209,8 +209,10 @@ def timed(fn, *args, **kwargs):
 
 
 PLAN_PHASES = ("search", "lower", "check")
-TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)), ("wave1", ("wave",)),
-                    ("auto", DEFAULT_CANDIDATES))
+TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)),
+                    ("interleaved2", ("interleaved",)), ("wave1", ("wave",)),
+                    ("auto (linear layout)", ("1f1b", "adaptive")),
+                    ("all four", DEFAULT_CANDIDATES))
 
 
 def generate_plans(mbs, costs, limit: float, num_ranks: int, candidates) -> dict:
@@ -253,8 +255,10 @@ def time_plan_generation(repeats: int, seed: int, num_ranks: int = 8, target: in
 
 def fmt(row: dict, name: str) -> str:
     cell = row["candidates"].get(name)
-    if cell is None or "error" in cell:
+    if cell is None:
         return "n/a"
+    if "error" in cell:
+        return "does not fit" if "memory limit" in cell["error"] else "n/a"
     text = f"{cell['makespan_ms']:.0f} / {cell['bubble']:.1%}"
     return text if cell["fits"] else text + " (over memory)"
 
@@ -305,12 +309,21 @@ def markdown(results: dict, command: str) -> str:
                      f"{fmt(row, 'interleaved2')} | {fmt(row, 'wave1')} | {fmt(row, 'wave2')} | "
                      f"{speed} |")
     lines += ["", timing_markdown(results["plan_timing"]), ""]
-    lines += ["Reading the table: the planners already balance micro-batch times (low CV), so "
-              "adaptive gains little over 1f1b there; on i.i.d. long-tailed micro-batches its "
-              "reordering and memory-aware in-flight control pay off. The wave layout puts the "
-              "first stage (embedding) and the last (output layer + loss) on rank 0, so with "
-              "this model's heavy head its rank 0 is the bottleneck; the uneven layer-count cut "
-              "(ModelSpec.stage_layers) is not rebalanced here."]
+    lines += ["Reading the tables. Textbook case: on even stages every schedule's simulated "
+              "bubble share equals its analytic figure wherever the order is unconstrained "
+              "(tests/test_schedules.py checks this); Hanayo's order needs m >= 2P (at m = P "
+              "it runs all forwards first and keeps 1F1B's bubble). Without a cap, more stages "
+              "per rank win (wave W=4 = 8 per rank first, then interleaved v=4), but the wave "
+              "holds (4W-1)/(2W) model copies of activations at m = 2P and more beyond, "
+              "interleaving ((v+1)P-1)/(vP). At 1F1B's memory interleaving keeps its bubble "
+              "(a warm-up slope of 1 instead of Megatron's 2 suffices when B = 2F) and wins "
+              "every row; the wave does not fit at all for P >= 4 and m >= 2P, and where it "
+              "fits it loses to interleaving with as many stages per rank. Planned "
+              "micro-batches: the planners fill the activation limit, so schedules that keep "
+              "more micro-batches in flight get little or no room; interleaving then runs "
+              "close to 1F1B (its extra transfers cost here), adaptive stays ahead on "
+              "long-tailed costs, and the wave loses: its 2W*P even layer-count stages put "
+              "embedding and output layer (this model's heavy head) both on rank 0."]
     return "\n".join(lines)
 
 
