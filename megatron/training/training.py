@@ -369,6 +369,29 @@ def agree_or_raise(problems: list[str], what: str) -> None:
     raise RunSetupError(f"{what}:\n  " + "\n  ".join(lines))
 
 
+def auto_layout_here(plan_cfg: IterationPlannerConfig, lengths, rank: int,
+                     say: bool) -> IterationPlannerConfig:
+    """--pipeline-schedule auto: the layout rank 0 finds predicted fastest for the first batch
+    (choose_auto_layout, with the run's cost model and link), the same on every rank."""
+    problems, chosen = [], plan_cfg.auto_layout
+    if rank == 0:
+        try:
+            chosen = choose_auto_layout(plan_cfg, lengths).auto_layout
+        except ValueError as err:
+            problems.append(str(err))
+    agree_or_raise(problems, "--pipeline-schedule auto")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    plan_cfg = dataclasses.replace(plan_cfg, auto_layout=chosen)
+    if say:
+        print(f"[train] --pipeline-schedule auto: {chosen} layout "
+              f"({len(pipeline_layout(plan_cfg))} stages), predicted fastest on the first batch",
+              flush=True)
+    return plan_cfg
+
+
 # ---------------------------------------------------------------------------- the run
 
 @dataclass
@@ -415,22 +438,11 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         raise RunSetupError(str(err)) from err
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
-    if (cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even"
-            and plan_cfg.cost_model.kind == "analytic"):   # a profile is made after set-up
-        try:
-            plan_cfg = choose_auto_layout(plan_cfg, data.batch_lengths(0))
-        except ValueError as err:
-            raise RunSetupError(str(err)) from err
-        if verbose and rank == 0 and plan_cfg.pp > 1:
-            print(f"[train] --pipeline-schedule auto: {plan_cfg.auto_layout} layout "
-                  f"({len(pipeline_layout(plan_cfg))} stages), predicted fastest on the first "
-                  f"batch", flush=True)
-    stage_to_rank = pipeline_layout(plan_cfg)
-    layout = setup_model_parallel(
+    layout = setup_model_parallel(     # 'auto' is checked on its linear layout here
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
         timeout_s=cfg.distributed_timeout_minutes * 60,
         total_layers=spec.total_layers if cfg.pipeline_split == "even" else None,
-        num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
+        num_stages=len(pipeline_layout(plan_cfg)), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     if cfg.cost_model == "profile":      # made on first use, then read from the cache
         try:
@@ -442,6 +454,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
+    if cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even" and layout.pp > 1:
+        plan_cfg = auto_layout_here(plan_cfg, data.batch_lengths(0), layout.rank,
+                                    verbose and layout.rank == 0)
+    stage_to_rank = pipeline_layout(plan_cfg)
     if cfg.pipeline_split == "balanced":     # every rank cuts alike (averaged measurement)
         cut = balanced_cut_here(cfg, spec, data.batch_lengths(0), layout)
         spec = dataclasses.replace(spec, pipeline_cut=cut)
