@@ -3,6 +3,7 @@ and DynaPipe's adaptive (memory-aware, wait-free) schedule with micro-batch reor
 linear layout or any other (a greedy order on the wave layout: wave_search)."""
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -48,12 +49,13 @@ def _warmup_then_1f1b(fw: Sequence[Action], bw: Sequence[Action], warmup: int) -
 def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_orders,
             warmups: Sequence[int]) -> Schedule:
     """The 1F1B-phased schedule of per-rank forward / backward orders and warm-up counts,
-    with every warm-up raised alike until the order cannot deadlock, checked by simulating it
-    (all forwards first never deadlocks when the orders follow the dependencies)."""
+    with every warm-up raised alike by the least amount (found by bisection) that lets the
+    order run without deadlock, checked by simulating it (all forwards first never
+    deadlocks when the orders follow the dependencies)."""
     from .simulator import simulate   # local: keeps the module graph one-directional
     costs = uniform_costs(num_mb, len(layout))
-    most = max(len(f) for f in fw_orders)
-    for extra in range(most + 1):
+
+    def runs(extra: int) -> Schedule | None:
         ranks = tuple(_warmup_then_1f1b(f, b, w + extra)
                       for f, b, w in zip(fw_orders, bw_orders, warmups))
         schedule = Schedule(name, layout, ranks, num_mb)
@@ -61,8 +63,19 @@ def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_order
             simulate(schedule, costs, validate=extra == 0)
             return schedule
         except ScheduleError:
-            continue
-    raise ScheduleError(f"{name}: the order breaks a dependency")   # not for these orders
+            return None
+
+    found = runs(0)
+    lo, hi = 0, max(len(f) for f in fw_orders)     # runs(lo) fails, runs(hi) succeeds
+    while found is None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = runs(mid)
+        lo, hi = (lo, mid) if got is not None else (mid, hi)
+    if found is None:
+        found = runs(hi)
+    if found is None:
+        raise ScheduleError(f"{name}: the order breaks a dependency")   # not for these orders
+    return found
 
 
 def interleaved_orders(num_mb: int, num_ranks: int, chunks: int, group: int):
@@ -80,6 +93,7 @@ def interleaved_orders(num_mb: int, num_ranks: int, chunks: int, group: int):
     return layout, fw_orders, bw_orders
 
 
+@functools.lru_cache(maxsize=256)
 def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int, group: int | None = None,
                             slope: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B (virtual pipeline, Narayanan et al. 2021): v = `chunks`
@@ -101,10 +115,11 @@ def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int, group: int
 
 def interleaved_levels(num_mb: int, num_ranks: int, chunks: int) -> list:
     """Interleaved 1F1B builds from most to least memory: Megatron's, warm-up slopes 1 and
-    0, then groups of P-1 .. 1 micro-batches (slope 1); what fit_levels walks."""
+    0, then groups of P/2 and 1 micro-batches (slope 1); what fit_levels walks."""
     first = [dict(slope=2), dict(slope=1), dict(slope=0)]
+    groups = sorted({g for g in (num_ranks // 2, 1) if 0 < g < num_ranks}, reverse=True)
     return [lambda kw=kw: interleaved_one_f_one_b(num_mb, num_ranks, chunks, **kw)
-            for kw in first + [dict(group=g, slope=1) for g in range(num_ranks - 1, 0, -1)]]
+            for kw in first + [dict(group=g, slope=1) for g in groups]]
 
 
 def hanayo_orders(num_mb: int, num_ranks: int, waves: int, group: int | None = None):
@@ -136,6 +151,7 @@ def hanayo_warmups(num_ranks: int, waves: int, group: int | None = None) -> list
     return [(2 * waves - 1) * span + r for r in range(num_ranks)]
 
 
+@functools.lru_cache(maxsize=256)
 def hanayo(num_mb: int, num_ranks: int, waves: int = 1, group: int | None = None) -> Schedule:
     """Hanayo's wave schedule (Liu et al., SC'23): the model in 2*W*P stages folded W times
     down and up over the P ranks (schedule_ir.wave_layout: rank r holds stages r, 2P-1-r,
@@ -160,8 +176,9 @@ def hanayo(num_mb: int, num_ranks: int, waves: int = 1, group: int | None = None
 
 def hanayo_levels(num_mb: int, num_ranks: int, waves: int) -> list:
     """Hanayo builds from most to least memory: all micro-batches in one wave, then rounds
-    of 2P-1 .. 1 micro-batches; what fit_levels walks."""
-    groups = [None] + [g for g in range(2 * num_ranks - 1, 0, -1) if g < num_mb]
+    of 3P/2, P, P/2 and 1 micro-batches; what fit_levels walks."""
+    rounds = {g for g in (3 * num_ranks // 2, num_ranks, num_ranks // 2, 1) if 0 < g < num_mb}
+    groups = [None] + sorted(rounds, reverse=True)
     return [lambda g=g: hanayo(num_mb, num_ranks, waves, g) for g in groups]
 
 

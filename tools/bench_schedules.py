@@ -39,6 +39,7 @@ from dynapipe_ext.plan_checker import check_plans  # noqa: E402
 from dynapipe_ext.planners import PlannerConfig, plan_micro_batches  # noqa: E402
 from dynapipe_ext.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
                                           micro_batch_costs, search_schedule)
+from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
 from dynapipe_ext.simulator import CommModel, PipelineCosts  # noqa: E402
 from tools.bench_planner import flan_like_lengths, machine  # noqa: E402
 
