@@ -40,6 +40,7 @@ from dynapipe_ext.planners import PlannerConfig, plan_micro_batches  # noqa: E40
 from dynapipe_ext.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
                                           micro_batch_costs, search_schedule)
 from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
+from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
 from dynapipe_ext.simulator import CommModel, PipelineCosts  # noqa: E402
 from tools.bench_planner import flan_like_lengths, machine  # noqa: E402
 
@@ -219,7 +220,10 @@ TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)),
 def generate_plans(mbs, costs, limit: float, num_ranks: int, candidates) -> dict:
     """One full plan generation (schedule search, lowering, plan check) with each phase's
     wall and CPU seconds; the micro-batches' stage costs are computed beforehand. Lowering
-    orders transfers by the search's own simulation of the chosen schedule."""
+    orders transfers by the search's own simulation of the chosen schedule. The cache of built
+    interleaved / wave orders is emptied first, so each run pays for building them."""
+    interleaved_one_f_one_b.cache_clear()
+    hanayo.cache_clear()
     (schedule, result), *search = timed(search_schedule, costs, limit, num_ranks, candidates,
                                         COMM)
     plans, *lowering = timed(lower, schedule, mbs, SPEC, "bfloat16", timing=result)
