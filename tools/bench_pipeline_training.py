@@ -9,7 +9,7 @@ makespan of the same iterations, planned again here with the run's own configura
 (plan_iteration is deterministic; auto's layout chosen as the trainer chooses it). Writes the
 "Pipeline schedules measured" section of docs/BENCHMARKS.md and docs/bench_pipeline_training.json.
 
-    python tools/bench_pipeline_training.py [--iters 12] [--skip 2] [--models gpt t5]
+    python tools/bench_pipeline_training.py [--iters 12] [--skip 2] [--rounds 2] [--models gpt t5]
 """
 from __future__ import annotations
 
@@ -96,26 +96,36 @@ def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], li
     return times, names
 
 
-def measure(models, iters: int, skip: int, out: Path) -> list[dict]:
-    rows, port = [], 29610
+def measure(models, iters: int, skip: int, rounds: int, out: Path) -> list[dict]:
+    """Per (model, schedule): `rounds` runs, the schedules of a model taking turns in each
+    round (so a change in the machine's load hits them alike)."""
+    rows, port = {}, 29610
     for model in models:
-        for schedule in SCHEDULES:
-            records, chosen = train(model, schedule, iters, out, port)
-            port += 1
-            predicted, names = predicted_ms(model, schedule, iters)
-            kept = [r for r in records if r["iteration"] > skip]
-            measured = [1e3 * r["iteration_s"] for r in kept]
-            pred = [predicted[r["iteration"] - 1] for r in kept]
-            tokens = sum(r["real_tokens"] for r in kept)
-            row = {"model": model, "schedule": schedule, "auto_layout": chosen,
-                   "iterations": [r["iteration"] for r in kept],
-                   "measured_ms": measured, "predicted_ms": pred,
-                   "orders": names[skip:], "tokens_per_s": tokens / (sum(measured) / 1e3),
-                   "measured_over_predicted": sum(measured) / sum(pred),
-                   "median_ratio": statistics.median(m / p for m, p in zip(measured, pred))}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+        for r in range(rounds):
+            for schedule in SCHEDULES:
+                records, chosen = train(model, schedule, iters, out, port)
+                port += 1
+                key = (model, schedule)
+                if key not in rows:
+                    predicted, names = predicted_ms(model, schedule, iters)
+                    rows[key] = {"model": model, "schedule": schedule, "auto_layout": chosen,
+                                 "measured_ms": [], "predicted_ms": [], "tokens": 0,
+                                 "orders": names[skip:], "per_round_median_ms": [],
+                                 "predicted_by_iteration": predicted}
+                row = rows[key]
+                kept = [rec for rec in records if rec["iteration"] > skip]
+                measured = [1e3 * rec["iteration_s"] for rec in kept]
+                row["measured_ms"] += measured
+                row["predicted_ms"] += [row["predicted_by_iteration"][rec["iteration"] - 1]
+                                        for rec in kept]
+                row["tokens"] += sum(rec["real_tokens"] for rec in kept)
+                row["per_round_median_ms"].append(statistics.median(measured))
+                print(json.dumps({"round": r, "model": model, "schedule": schedule,
+                                  "median_ms": row["per_round_median_ms"][-1]}), flush=True)
+    for row in rows.values():
+        row["tokens_per_s"] = row["tokens"] / (sum(row["measured_ms"]) / 1e3)
+        row["measured_over_predicted"] = sum(row["measured_ms"]) / sum(row["predicted_ms"])
+    return list(rows.values())
 
 
 def markdown(result: dict) -> str:
@@ -123,23 +133,25 @@ def markdown(result: dict) -> str:
     after = ", ".join(f"{x:.1f}" for x in result["load_after"])
     lines = [f"Command: `{result['command']}`  ", f"Date: {result['date']}  ",
              "Runs: `torchrun --nproc-per-node 2` on this CPU, gloo, fp32, PP=2, dynamic "
-             "micro-batches, quickstart data (`examples/prepare_data.sh`), one run per schedule "
-             f"of {result['iters']} iterations, the first {result['skip']} left out. GPT: 4 "
+             "micro-batches, quickstart data (`examples/prepare_data.sh`), "
+             f"{result['rounds']} round(s) of one run per schedule (the schedules take turns), "
+             f"{result['iters']} iterations each, the first {result['skip']} left out. GPT: 4 "
              "layers, hidden 128, 8,192 tokens per batch; T5: 2 + 2 layers, hidden 128, 4,096 "
              "tokens. 1f1b / adaptive cut the model into 2 stages, interleaved (v=2) and wave "
              "(W=1) into 4 virtual stages. Predicted: the planner's simulated makespan of the "
              "same iterations (`--cost-model analytic`, the CPU default: nominal 0.05 TFLOP/s "
              "and no link time). The machine has 2 cores shared with other jobs (1-minute load "
              f"average {load} before, {after} after), so single runs are noisy.", "",
-             "| model | schedule | tokens/s | measured ms / iteration (median) | predicted ms "
-             "(median) | measured / predicted | orders run |",
+             "| model | schedule | tokens/s | measured ms / iteration (median; per round) | "
+             "predicted ms (median) | measured / predicted (sums) | orders run |",
              "|---|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         name = r["schedule"] + (f" ({r['auto_layout'].split(' ')[0]})" if r["auto_layout"]
                                 else "")
         orders = sorted({o.split("[")[0] for o in r["orders"]})
         lines.append(f"| {r['model']} | {name} | {r['tokens_per_s']:,.0f} | "
-                     f"{statistics.median(r['measured_ms']):.0f} | "
+                     f"{statistics.median(r['measured_ms']):.0f} ("
+                     + ", ".join(f"{m:.0f}" for m in r["per_round_median_ms"]) + ") | "
                      f"{statistics.median(r['predicted_ms']):.0f} | "
                      f"{r['measured_over_predicted']:.2f} | {', '.join(orders)} |")
     return "\n".join(lines)
@@ -149,19 +161,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     out = REPO / "runs" / "bench_pipeline_training"
     out.mkdir(parents=True, exist_ok=True)
     before = os.getloadavg()
-    rows = measure(args.models, args.iters, args.skip, out)
+    rows = measure(args.models, args.iters, args.skip, args.rounds, out)
     now = datetime.datetime.now(datetime.timezone.utc)
     command = "python tools/bench_pipeline_training.py" + (
         f" --iters {args.iters}" if args.iters != 12 else "") + (
-        f" --skip {args.skip}" if args.skip != 2 else "")
+        f" --skip {args.skip}" if args.skip != 2 else "") + (
+        f" --rounds {args.rounds}" if args.rounds != 2 else "")
     result = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-              "iters": args.iters, "skip": args.skip, "load_before": before,
+              "iters": args.iters, "skip": args.skip, "rounds": args.rounds,
+              "load_before": before,
               "load_after": os.getloadavg(), "rows": rows}
     body = markdown(result)
     print(body)
