@@ -115,9 +115,10 @@ def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int, group: int
 
 def interleaved_levels(num_mb: int, num_ranks: int, chunks: int) -> list:
     """Interleaved 1F1B builds from most to least memory: Megatron's, warm-up slopes 1 and
-    0, then groups of P/2 and 1 micro-batches (slope 1); what fit_levels walks."""
+    0, then groups of P-1, P/2 and 1 micro-batches (slope 1); what fit_levels walks."""
     first = [dict(slope=2), dict(slope=1), dict(slope=0)]
-    groups = sorted({g for g in (num_ranks // 2, 1) if 0 < g < num_ranks}, reverse=True)
+    groups = sorted({g for g in (num_ranks - 1, num_ranks // 2, 1) if 0 < g < num_ranks},
+                    reverse=True)
     return [lambda kw=kw: interleaved_one_f_one_b(num_mb, num_ranks, chunks, **kw)
             for kw in first + [dict(group=g, slope=1) for g in groups]]
 
