@@ -466,3 +466,21 @@ def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(c
                                         "--pipeline-schedule", "wave"], has_cuda=False)
     msg = capsys.readouterr().err
     assert "2 transformer layers do not split evenly over 4 pipeline stages" in msg
+
+
+@pytest.mark.parametrize("flags,stages", [
+    (["--pipeline-schedule", "wave"], 4),
+    (["--pipeline-schedule", "wave", "--pipeline-waves", "2"], 8),
+    (["--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "3"], 6),
+    (["--pipeline-schedule", "1f1b"], 2)])
+def test_balanced_split_cuts_every_virtual_stage(flags, stages):
+    """--pipeline-split balanced cuts the model into all 2*W*P (wave) or v*P (interleaved)
+    stages in half layers, so each stage of each rank gets its share (the start-up
+    measurement then moves the cut; this is the even spread it starts from)."""
+    from megatron.training.training import given_cut, model_spec
+    cfg = parse_args("gpt", ["--data-path", "d", "--num-layers", "6", "--hidden-size", "32",
+                             "--num-attention-heads", "2", "--train-iters", "2",
+                             "--pipeline-model-parallel-size", "2",
+                             "--pipeline-split", "balanced"] + flags, has_cuda=False)
+    cut = given_cut(cfg, model_spec(cfg, 128))
+    assert len(cut) == stages and sum(cut) == 12 and max(cut) - min(cut) <= 1
