@@ -213,3 +213,10 @@ def test_auto_runs_on_the_layout_predicted_fastest(model):
     assert plan_from_bytes(plan.plan_bytes[(0, 0)]).stage_to_rank == wave_layout(2, 1)
     # a fixed schedule or one pipeline rank keeps its config
     assert choose_auto_layout(gpt_config("1f1b"), gpt_lengths(0)).auto_layout == "linear"
+
+
+def test_auto_skips_layouts_the_model_does_not_split_into():
+    two_layers = ModelSpec("gpt", num_layers=2, hidden_size=128, num_attention_heads=4,
+                           vocab_size=512)
+    config = IterationPlannerConfig(**{**gpt_config("auto", dp=1).__dict__, "spec": two_layers})
+    assert choose_auto_layout(config, gpt_lengths(0)).auto_layout == "linear"
