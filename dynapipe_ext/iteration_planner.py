@@ -9,9 +9,15 @@ plans), and `config` is a picklable value, so planner worker processes can run i
 Stage layout is fixed for a run. The trainer builds its stage modules once, so every plan of a
 run must lay stages on ranks the same way: `pipeline_layout(config)` says how, and the search
 only considers schedules of that layout:
-* "1f1b", "adaptive" and "auto" (the faster of 1f1b and adaptive, chosen per replica and
-  iteration): P stages, stage s on pipeline rank s;
-* "wave": Hanayo's W-wave layout, 2*W*P stages (`waves`, default 1).
+* "1f1b", "adaptive": P stages, stage s on pipeline rank s;
+* "interleaved": Megatron's virtual pipeline, v*P stages, stage s on rank s mod P
+  (`virtual_stages` = v, default 2);
+* "wave": Hanayo's W-wave layout, 2*W*P stages (`waves`, default 1);
+* "auto": one of those layouts (`auto_layout`: "linear", "interleaved" or "wave"; chosen for
+  the run by `choose_auto_layout` from a batch's predicted iteration time), and per replica
+  and iteration the fastest fitting schedule on it: 1F1B or adaptive on the linear layout,
+  interleaved or adaptive (greedy_order on that layout) on the interleaved one, Hanayo's
+  wave or adaptive on the wave one.
 
 Samples reach the data-parallel replicas one of two ways (`replica_split`):
 * "micro-batches" (default): the micro-batch DP over the whole batch, then its micro-batches
@@ -45,13 +51,14 @@ from .model_spec import ModelSpec
 from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
                        plan_micro_batches)
 from .replica_split import deal_samples
-from .schedule_ir import linear_layout, wave_layout
+from .schedule_ir import interleaved_layout, linear_layout, wave_layout
 from .schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
                               micro_batch_costs)
 from .schedules import MemoryLimitError
 from .simulator import CommModel
 
-PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
+PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "interleaved", "wave")
+AUTO_LAYOUTS = ("linear", "interleaved", "wave")
 REPLICA_SPLITS = ("micro-batches", "samples")
 COST_MODEL_KINDS = ("analytic", "profile")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -122,7 +129,9 @@ class IterationPlannerConfig:
     cost_model: CostModelSource = field(default_factory=CostModelSource)
     dtype: str = "float32"
     check_plans: bool = False
-    waves: int = 1
+    waves: int = 1                    # --pipeline-waves: W of the wave layout
+    virtual_stages: int = 2           # --num-virtual-stages-per-pipeline-rank: v, interleaved
+    auto_layout: str = "linear"       # the layout "auto" runs on (choose_auto_layout)
     recv_lookahead: int = 1
     comm: CommModel | None = None     # pipeline transfer time in the schedule search
     replica_split: str = "micro-batches"   # see the module docstring
@@ -139,7 +148,10 @@ class IterationPlannerConfig:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             problems.append(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, "
                             f"got {self.pipeline_schedule!r}")
-        for name in ("pp", "dp", "tp", "waves"):
+        if self.auto_layout not in AUTO_LAYOUTS:
+            problems.append(f"auto_layout must be one of {AUTO_LAYOUTS}, "
+                            f"got {self.auto_layout!r}")
+        for name in ("pp", "dp", "tp", "waves", "virtual_stages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
@@ -164,21 +176,60 @@ class IterationPlannerConfig:
 
 def pipeline_layout(config: IterationPlannerConfig) -> tuple[int, ...]:
     """Stage -> pipeline rank for the whole run (the trainer builds its stages from this)."""
-    return stage_layout(config.pipeline_schedule, config.pp, config.waves)
+    return stage_layout(config.pipeline_schedule, config.pp, config.waves, config.virtual_stages,
+                        config.auto_layout)
 
 
-def stage_layout(pipeline_schedule: str, pp: int, waves: int = 1) -> tuple[int, ...]:
-    """Stage -> pipeline rank of a schedule family: a wave layout for 'wave', else linear."""
-    if pipeline_schedule == "wave":
+def layout_family(pipeline_schedule: str, auto_layout: str = "linear") -> str:
+    """'linear', 'interleaved' or 'wave': the layout a schedule family runs on."""
+    if pipeline_schedule == "auto":
+        return auto_layout
+    return pipeline_schedule if pipeline_schedule in ("interleaved", "wave") else "linear"
+
+
+def stage_layout(pipeline_schedule: str, pp: int, waves: int = 1, virtual_stages: int = 2,
+                 auto_layout: str = "linear") -> tuple[int, ...]:
+    """Stage -> pipeline rank of a schedule family: Hanayo's waves for 'wave', Megatron's
+    interleaving for 'interleaved', else linear ('auto': that of `auto_layout`)."""
+    family = layout_family(pipeline_schedule, auto_layout)
+    if family == "wave":
         return wave_layout(pp, waves)
+    if family == "interleaved":
+        return interleaved_layout(pp, virtual_stages)
     return linear_layout(pp)
 
 
 def schedule_candidates(config: IterationPlannerConfig) -> tuple[str, ...]:
     """The schedules the search may pick from; all share `pipeline_layout(config)`."""
-    if config.pipeline_schedule == "auto":
-        return ("1f1b", "adaptive")
-    return (config.pipeline_schedule,)
+    if config.pipeline_schedule != "auto":
+        return (config.pipeline_schedule,)
+    return {"linear": ("1f1b", "adaptive"), "interleaved": ("interleaved", "adaptive"),
+            "wave": ("wave", "adaptive")}[config.auto_layout]
+
+
+def choose_auto_layout(config: IterationPlannerConfig, lengths) -> IterationPlannerConfig:
+    """For "auto" at PP > 1: the config on the layout ("linear", "interleaved" with
+    `virtual_stages`, "wave" with `waves`) whose best candidate is predicted fastest for the
+    global batch `lengths` (one the model splits into; ties keep the earlier of linear,
+    interleaved, wave). The layout is fixed for a run because the trainer builds its stage
+    modules once; schedules are still picked per iteration on it. Other configs unchanged."""
+    if config.pipeline_schedule != "auto" or config.pp == 1:
+        return config
+    best, why = None, []
+    for family in AUTO_LAYOUTS:
+        try:     # a layout the model does not split into fails here
+            trial = replace(config, auto_layout=family)
+            plan = plan_iteration(0, lengths, replace(trial, check_plans=False))
+        except (ValueError, MemoryLimitError, PlanningError) as err:
+            why.append(f"{family}: {err}")
+            continue
+        predicted = max(plan.predicted_ms)
+        if best is None or predicted < best[0]:
+            best = (predicted, trial)
+    if best is None:
+        raise MemoryLimitError("--pipeline-schedule auto: no layout can run the first batch ("
+                               + "; ".join(why) + ")")
+    return best[1]
 
 
 def search_memory_limit(cost_model: CostModel, config: IterationPlannerConfig) -> float:
@@ -253,7 +304,8 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
         for dp_rank, micro_batches in enumerate(batch.replicas):
             costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
             found = evaluate_candidates(costs, memory_limit, config.pp, candidates, config.comm,
-                                        waves=(config.waves,))
+                                        waves=(config.waves,), chunks=(config.virtual_stages,),
+                                        adaptive_layout=pipeline_layout(config))
             if config.forward_only:
                 found = forward_only_candidates(found, costs, config.comm)
             try:

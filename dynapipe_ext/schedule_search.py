@@ -23,12 +23,12 @@ from .cost_model import CostModel
 from .microbatch import MicroBatch
 from .model_spec import ModelSpec, stage_output_shapes
 from .schedule_ir import Schedule, ScheduleError, forward_only
-from .schedules import (MemoryLimitError, adaptive_search, interleaved_one_f_one_b, one_f_one_b,
-                        wave_search)
+from .schedules import (MemoryLimitError, adaptive_search, fit_levels, hanayo_levels,
+                        interleaved_levels, one_f_one_b)
 from .simulator import CommModel, PipelineCosts, SimResult, simulate
 
 SCHEDULE_NAMES = ("1f1b", "adaptive", "wave", "interleaved")
-DEFAULT_CANDIDATES = ("1f1b", "adaptive", "wave")
+DEFAULT_CANDIDATES = ("1f1b", "adaptive", "interleaved", "wave")
 CostSource = Union[PipelineCosts, Mapping[int, PipelineCosts], Callable[[int], PipelineCosts]]
 
 
@@ -62,21 +62,26 @@ def costs_for(costs: CostSource, num_stages: int) -> PipelineCosts:
 
 
 def _build(name: str, arg: int, costs: PipelineCosts, num_ranks: int, memory_limit: float,
-           comm: CommModel | None) -> Schedule:
+           comm: CommModel | None, adaptive_layout: tuple[int, ...] | None) -> Schedule:
     num_mb = costs.num_micro_batches
     if name == "1f1b":
         return one_f_one_b(num_mb, num_ranks)
     if name == "adaptive":
-        return adaptive_search(costs, memory_limit, comm).schedule
+        return adaptive_search(costs, memory_limit, comm, stage_to_rank=adaptive_layout).schedule
     if name == "wave":
-        return wave_search(costs, num_ranks, arg, memory_limit, comm).schedule
-    return interleaved_one_f_one_b(num_mb, num_ranks, arg)
+        return fit_levels(hanayo_levels(num_mb, num_ranks, arg), costs, memory_limit,
+                          f"wave{arg}", comm)
+    return fit_levels(interleaved_levels(num_mb, num_ranks, arg), costs, memory_limit,
+                      f"interleaved{arg}", comm)
 
 
-def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[int]):
+def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[int],
+              adaptive_layout: tuple[int, ...] | None):
     """(label, build argument, stage count) of each schedule a candidate name stands for."""
-    if name in ("1f1b", "adaptive"):
+    if name == "1f1b":
         return [(name, 0, num_ranks)]
+    if name == "adaptive":
+        return [(name, 0, len(adaptive_layout) if adaptive_layout else num_ranks)]
     if name == "wave":
         return [(f"wave{w}", w, 2 * w * num_ranks) for w in waves]
     return [(f"interleaved{v}", v, v * num_ranks) for v in chunks]
@@ -85,9 +90,13 @@ def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[
 def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
                         candidates: Sequence[str] = DEFAULT_CANDIDATES,
                         comm: CommModel | None = None, waves: Sequence[int] = (1,),
-                        chunks: Sequence[int] = (2,)) -> list[Candidate]:
+                        chunks: Sequence[int] = (2,),
+                        adaptive_layout: Sequence[int] | None = None) -> list[Candidate]:
     """Build and simulate every allowed candidate ('wave' once per W in `waves`,
-    'interleaved' once per v in `chunks`)."""
+    'interleaved' once per v in `chunks`; 'adaptive' on `adaptive_layout`, default linear).
+    Wave and interleaved are fitted to `memory_limit` with fewer micro-batches in flight
+    (schedules.fit_levels)."""
+    layout = tuple(adaptive_layout) if adaptive_layout is not None else None
     unknown = [c for c in candidates if c not in SCHEDULE_NAMES]
     if unknown or not candidates:
         raise ValueError(f"unknown pipeline schedule(s) {unknown or list(candidates)}; "
@@ -96,10 +105,10 @@ def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     found = []
     for name in candidates:
-        for label, arg, num_stages in _variants(name, num_ranks, waves, chunks):
+        for label, arg, num_stages in _variants(name, num_ranks, waves, chunks, layout):
             try:
                 stage_costs = costs_for(costs, num_stages)
-                schedule = _build(name, arg, stage_costs, num_ranks, memory_limit, comm)
+                schedule = _build(name, arg, stage_costs, num_ranks, memory_limit, comm, layout)
                 found.append(Candidate(label, schedule, simulate(schedule, stage_costs, comm)))
             except (ValueError, ScheduleError) as err:   # MemoryLimitError included
                 found.append(Candidate(label, None, None, str(err)))
@@ -137,11 +146,12 @@ def best_candidate(found: Sequence[Candidate], memory_limit: float) -> Candidate
 def search_schedule(costs: CostSource, memory_limit: float, num_ranks: int,
                     candidates: Sequence[str] = DEFAULT_CANDIDATES,
                     comm: CommModel | None = None, waves: Sequence[int] = (1,),
-                    chunks: Sequence[int] = (2,)) -> tuple[Schedule, SimResult]:
+                    chunks: Sequence[int] = (2,),
+                    adaptive_layout: Sequence[int] | None = None) -> tuple[Schedule, SimResult]:
     """Fastest candidate schedule that fits `memory_limit` bytes per rank, with its simulation.
     `--pipeline-schedule NAME` is candidates=(NAME,)."""
     chosen = best_candidate(evaluate_candidates(costs, memory_limit, num_ranks, candidates, comm,
-                                                waves, chunks), memory_limit)
+                                                waves, chunks, adaptive_layout), memory_limit)
     return chosen.schedule, chosen.result
 
 

@@ -1,7 +1,9 @@
-"""Pipeline schedules as functions returning Schedule: 1F1B, interleaved 1F1B, DynaPipe's
-adaptive (memory-aware, wait-free) schedule with micro-batch reordering, and Hanayo's wave."""
+"""Pipeline schedules as functions returning Schedule: 1F1B, interleaved 1F1B, Hanayo's wave,
+and DynaPipe's adaptive (memory-aware, wait-free) schedule with micro-batch reordering, on the
+linear layout or any other (a greedy order on the wave layout: wave_search)."""
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -34,32 +36,175 @@ def one_f_one_b(num_mb: int, num_ranks: int) -> Schedule:
     return Schedule("1f1b", linear_layout(num_ranks), tuple(ranks), num_mb)
 
 
-def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int) -> Schedule:
-    """Megatron's interleaved 1F1B: v = `chunks` stages per rank (stage s on rank s mod P),
-    micro-batches in groups of P; needs num_mb to be a multiple of num_ranks."""
-    _check_counts(num_mb, num_ranks)
-    if chunks < 1 or num_mb % num_ranks:
-        raise ScheduleError(f"interleaved 1F1B needs chunks >= 1 and num_mb a multiple of "
-                            f"num_ranks, got chunks={chunks}, num_mb={num_mb}, P={num_ranks}")
-    total = num_mb * chunks
+def _warmup_then_1f1b(fw: Sequence[Action], bw: Sequence[Action], warmup: int) -> tuple:
+    """One rank's order: `warmup` forwards, then one forward and one backward alternately,
+    then the remaining backwards (1F1B's three phases over any forward / backward order)."""
+    warmup = max(0, min(warmup, len(fw)))
+    acts = list(fw[:warmup])
+    for k in range(len(fw) - warmup):
+        acts += [fw[warmup + k], bw[k]]
+    return tuple(acts + list(bw[len(fw) - warmup:]))
 
-    def unit(k: int, backward: bool, r: int) -> Action:
-        chunk = (k // num_ranks) % chunks
-        if backward:
-            chunk = chunks - 1 - chunk
-        mb = (k // (num_ranks * chunks)) * num_ranks + k % num_ranks
-        return Action(chunk * num_ranks + r, BACKWARD if backward else FORWARD, mb)
 
-    ranks = []
+def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_orders,
+            warmups: Sequence[int]) -> Schedule:
+    """The 1F1B-phased schedule of per-rank forward / backward orders and warm-up counts,
+    with every warm-up raised alike by the least amount (found by bisection) that lets the
+    order run without deadlock, checked by simulating it (all forwards first never
+    deadlocks when the orders follow the dependencies)."""
+    from .simulator import simulate   # local: keeps the module graph one-directional
+    costs = uniform_costs(num_mb, len(layout))
+
+    def runs(extra: int) -> Schedule | None:
+        ranks = tuple(_warmup_then_1f1b(f, b, w + extra)
+                      for f, b, w in zip(fw_orders, bw_orders, warmups))
+        schedule = Schedule(name, layout, ranks, num_mb)
+        try:
+            simulate(schedule, costs, validate=extra == 0)
+            return schedule
+        except ScheduleError:
+            return None
+
+    found = runs(0)
+    lo, hi = 0, max(len(f) for f in fw_orders)     # runs(lo) fails, runs(hi) succeeds
+    while found is None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = runs(mid)
+        lo, hi = (lo, mid) if got is not None else (mid, hi)
+    if found is None:
+        found = runs(hi)
+    if found is None:
+        raise ScheduleError(f"{name}: the order breaks a dependency")   # not for these orders
+    return found
+
+
+def interleaved_orders(num_mb: int, num_ranks: int, chunks: int, group: int):
+    """Megatron's interleaved order, per rank: forwards in groups of `group` micro-batches
+    (P in Megatron; its microbatch_group_size_per_vp_stage), each group chunk by chunk
+    (stage r, r+P, ...), backwards likewise with the chunks reversed. A last, shorter group
+    (variable micro-batch counts) is taken the same way."""
+    layout = interleaved_layout(num_ranks, chunks)
+    fw_orders, bw_orders = [], []
+    groups = [range(g, min(g + group, num_mb)) for g in range(0, num_mb, group)]
     for r in range(num_ranks):
-        warmup = min((num_ranks - r - 1) * 2 + (chunks - 1) * num_ranks, total)
-        acts = [unit(k, False, r) for k in range(warmup)]
-        for k in range(total - warmup):
-            acts += [unit(warmup + k, False, r), unit(k, True, r)]
-        acts += [unit(k, True, r) for k in range(total - warmup, total)]
-        ranks.append(tuple(acts))
-    return Schedule(f"interleaved{chunks}", interleaved_layout(num_ranks, chunks),
-                    tuple(ranks), num_mb)
+        own = stages_of_rank(layout, r)
+        fw_orders.append([Action(s, FORWARD, m) for g in groups for s in own for m in g])
+        bw_orders.append([Action(s, BACKWARD, m) for g in groups for s in own[::-1] for m in g])
+    return layout, fw_orders, bw_orders
+
+
+@functools.lru_cache(maxsize=256)
+def interleaved_one_f_one_b(num_mb: int, num_ranks: int, chunks: int, group: int | None = None,
+                            slope: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B (virtual pipeline, Narayanan et al. 2021): v = `chunks`
+    stages per rank (stage s on rank s mod P), micro-batches in groups of P, rank r runs
+    (v-1)*P + 2*(P-r-1) warm-up forwards, then 1F1B, then drains. On even stages with m a
+    multiple of P its bubble is (P-1)/(v*m + P-1) of the makespan and its peak
+    ((v+1)*P - 1)/(v*P) model copies of activations (rank 0). Any m works (a short last
+    group). Fewer micro-batches in flight (less memory): `slope` 1 or 0 instead of 2 warm-up
+    forwards per later rank, `group` < P micro-batches per chunk round (interleaved_levels)."""
+    _check_counts(num_mb, num_ranks)
+    group = num_ranks if group is None else group
+    if chunks < 1 or group < 1 or slope < 0:
+        raise ScheduleError(f"interleaved 1F1B needs chunks >= 1, group >= 1 and slope >= 0, "
+                            f"got chunks={chunks}, group={group}, slope={slope}")
+    layout, fw_orders, bw_orders = interleaved_orders(num_mb, num_ranks, chunks, group)
+    warmups = [(chunks - 1) * group + slope * (num_ranks - r - 1) for r in range(num_ranks)]
+    return _phased(f"interleaved{chunks}", layout, num_mb, fw_orders, bw_orders, warmups)
+
+
+def interleaved_levels(num_mb: int, num_ranks: int, chunks: int) -> list:
+    """Interleaved 1F1B builds from most to least memory: Megatron's, warm-up slopes 1 and
+    0, then groups of P-1, P/2 and 1 micro-batches (slope 1); what fit_levels walks."""
+    first = [dict(slope=2), dict(slope=1), dict(slope=0)]
+    groups = sorted({g for g in (num_ranks - 1, num_ranks // 2, 1) if 0 < g < num_ranks},
+                    reverse=True)
+    return [lambda kw=kw: interleaved_one_f_one_b(num_mb, num_ranks, chunks, **kw)
+            for kw in first + [dict(group=g, slope=1) for g in groups]]
+
+
+def hanayo_orders(num_mb: int, num_ranks: int, waves: int, group: int | None = None):
+    """Hanayo's wave order, per rank: micro-batches enter stage 0 back to back, so micro-batch
+    i reaches stage s at step i + s; a rank runs its forwards in that order (ties: the earlier
+    micro-batch), its backwards in the mirrored order (step i + S-1-s). With `group`, the
+    micro-batches go in rounds of that many, one round's wave after the other."""
+    layout = wave_layout(num_ranks, waves)
+    last = len(layout) - 1
+    group = group or num_mb
+    fw_orders, bw_orders = [], []
+    for r in range(num_ranks):
+        own = stages_of_rank(layout, r)
+        fw = sorted(((m // group, m % group + s, m, s) for m in range(num_mb) for s in own))
+        bw = sorted(((m // group, m % group + last - s, m, s) for m in range(num_mb)
+                     for s in own))
+        fw_orders.append([Action(s, FORWARD, m) for *_, m, s in fw])
+        bw_orders.append([Action(s, BACKWARD, m) for *_, m, s in bw])
+    return layout, fw_orders, bw_orders
+
+
+def hanayo_warmups(num_ranks: int, waves: int, group: int | None = None) -> list[int]:
+    """Warm-up forwards of rank r in Hanayo's schedule: 2*(2W-1)*P + r (in rounds of g < 2P
+    micro-batches: (2W-1)*g + r). The last stage sits on rank 0 (the waves end where they
+    start), so backwards begin there and the warm-up grows with r, the mirror of 1F1B's; at
+    m = 2P on even stages rank r then holds 2*(2W-1)*P + r + 1 stage activations at its
+    peak, each 1/(2*W*P) of the model."""
+    span = 2 * num_ranks if group is None else min(group, 2 * num_ranks)
+    return [(2 * waves - 1) * span + r for r in range(num_ranks)]
+
+
+@functools.lru_cache(maxsize=256)
+def hanayo(num_mb: int, num_ranks: int, waves: int = 1, group: int | None = None) -> Schedule:
+    """Hanayo's wave schedule (Liu et al., SC'23): the model in 2*W*P stages folded W times
+    down and up over the P ranks (schedule_ir.wave_layout: rank r holds stages r, 2P-1-r,
+    2P+r, ...; no transfer at a turning point), each rank in 1F1B phases over the wave order
+    (hanayo_orders) with hanayo_warmups forwards first. On even stages with m >= 2P its
+    bubble is the paper's (P-1)/(2*W*m + P-1), that of interleaving with v = 2W chunks
+    (test_schedules); with m < 2P all forwards run first. Its peak is (4W-1)/(2W) model
+    copies of activations at m = 2P; for larger m the order needs more warm-up forwards to
+    run at all (up to 2W*(S-2) + 1, S = 2*W*P stages), so the peak grows with m up to about
+    2.3 copies (W=1) or 3.8 (W=2) (docs/BENCHMARKS.md, Schedules). `group`: rounds of that
+    many micro-batches (hanayo_levels), less memory and more bubble. The order is fixed by
+    the shape alone; `wave_search` (greedy_order on the wave layout) instead rebuilds it
+    from each iteration's costs under the memory limit."""
+    _check_counts(num_mb, num_ranks)
+    if waves < 1 or (group is not None and group < 1):
+        raise ScheduleError(f"wave schedule needs waves >= 1 and group >= 1, got "
+                            f"waves={waves}, group={group}")
+    layout, fw_orders, bw_orders = hanayo_orders(num_mb, num_ranks, waves, group)
+    return _phased(f"wave{waves}", layout, num_mb, fw_orders, bw_orders,
+                   hanayo_warmups(num_ranks, waves, group))
+
+
+def hanayo_levels(num_mb: int, num_ranks: int, waves: int) -> list:
+    """Hanayo builds from most to least memory: all micro-batches in one wave, then rounds
+    of 3P/2, P, P/2 and 1 micro-batches; what fit_levels walks."""
+    rounds = {g for g in (3 * num_ranks // 2, num_ranks, num_ranks // 2, 1) if 0 < g < num_mb}
+    groups = [None] + sorted(rounds, reverse=True)
+    return [lambda g=g: hanayo(num_mb, num_ranks, waves, g) for g in groups]
+
+
+def fit_levels(builds, costs: PipelineCosts, memory_limit: float, name: str,
+               comm: CommModel | None = None) -> Schedule:
+    """Of `builds` (callables, from most to least memory), the one with the smallest
+    simulated makespan among those whose peak under `costs` fits `memory_limit` (the first
+    that fits when there is no limit); MemoryLimitError naming the lowest peak otherwise."""
+    from .simulator import peak_memory, simulate
+    lowest, best = math.inf, None
+    for build in builds:
+        schedule = build()
+        top = max(peak_memory(schedule, costs))
+        lowest = min(lowest, top)
+        if top > memory_limit:
+            continue
+        if memory_limit == math.inf:
+            return schedule
+        span = simulate(schedule, costs, comm, validate=False).makespan_ms
+        if best is None or span < best[0]:
+            best = (span, schedule)
+    if best is None:
+        raise MemoryLimitError(f"{name}: no warm-up fits the memory limit {memory_limit:.4g} "
+                               f"bytes; lowest peak found {lowest:.4g}")
+    return best[1]
 
 
 def _check_counts(num_mb: int, num_ranks: int) -> None:
@@ -353,9 +498,12 @@ def wave_settings(num_ranks: int) -> tuple[tuple[int, str], ...]:
 def wave_search(costs: PipelineCosts, num_ranks: int, waves: int = 1,
                 memory_limit: float = math.inf, comm: CommModel | None = None,
                 settings: Sequence[tuple[int, str]] | None = None) -> GreedyOrder:
-    """Hanayo's wave schedule: 2*W*P stages as W down-and-up waves over P ranks
-    (schedule_ir.wave_layout); each rank's order comes from the greedy ready-first simulation
-    with the memory cap (greedy_order), the fastest fitting one of `settings`."""
+    """A greedy order on Hanayo's wave layout (2*W*P stages as W down-and-up waves over P
+    ranks, schedule_ir.wave_layout): each rank's order comes from the ready-first simulation
+    of this iteration's costs with the memory cap (greedy_order), the fastest fitting one of
+    `settings`. Unlike `hanayo` (the paper's fixed wave order and warm-ups) the order follows
+    the costs and admits micro-batches only while they fit; what the adaptive schedule runs on
+    a wave layout."""
     _check_counts(costs.num_micro_batches, num_ranks)
     if waves < 1:
         raise ScheduleError(f"wave schedule needs waves >= 1, got {waves}")
@@ -385,8 +533,8 @@ def wave_search(costs: PipelineCosts, num_ranks: int, waves: int = 1,
 
 def wave(num_mb: int, num_ranks: int, waves: int = 1, costs: PipelineCosts | None = None,
          memory_limit: float = math.inf, comm: CommModel | None = None) -> Schedule:
-    """Hanayo's wave schedule (see wave_search). Without costs every stage of every
-    micro-batch costs F=1, B=2."""
+    """The greedy order on the wave layout (see wave_search). Without costs every stage of
+    every micro-batch costs F=1, B=2."""
     _check_counts(num_mb, num_ranks)
     if costs is None:
         costs = uniform_costs(num_mb, 2 * waves * num_ranks)

@@ -349,3 +349,46 @@ def test_packing_window_flags_make_the_sampler_pack_and_the_planner_rebuild(caps
                                                   "--decoder-seq-length", "128",
                                                   "--tokens-per-global-batch", "600"])
     assert "cannot hold one packed row of 640 tokens (--packing-window)" in t5_err
+
+
+def test_wave_and_interleaved_flags_set_the_stage_count(capsys):
+    from megatron.training.arguments import pipeline_stage_count, virtual_stages
+    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "8"]
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "wave", "--pipeline-waves", "2"],
+                     has_cuda=False)
+    assert cfg.pipeline_waves == 2 and pipeline_stage_count(cfg) == 8
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved",
+                                          "--num-virtual-stages-per-pipeline-rank", "4"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 4 and pipeline_stage_count(cfg) == 8
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved",
+                                          "--num-layers-per-virtual-pipeline-stage", "1"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 4      # Megatron's spelling: 8 layers / (2 ranks x 1)
+    cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", "interleaved"], has_cuda=False)
+    assert virtual_stages(cfg) == 2 and pipeline_stage_count(cfg) == 4
+    err = parse_or_exit_message(capsys, "gpt", pp2 + ["--pipeline-schedule", "interleaved",
+                                                      "--num-layers-per-virtual-pipeline-stage",
+                                                      "3"])
+    assert "--num-layers-per-virtual-pipeline-stage 3: 8 layers are not a whole number" in err
+    err = parse_or_exit_message(capsys, "gpt", ["--pipeline-model-parallel-size", "2",
+                                                "--pipeline-schedule", "wave",
+                                                "--pipeline-waves", "2"])
+    assert ("--pipeline-schedule wave with --pipeline-waves 2 cuts the model into 8 stages"
+            in err and "4 transformer layers do not split evenly over 8 pipeline stages" in err)
+    err = parse_or_exit_message(capsys, "t5", ["--pipeline-model-parallel-size", "2",
+                                               "--num-layers", "1", "--pipeline-schedule",
+                                               "interleaved"])
+    assert "T5 stages hold whole layers" in err
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model):
+    """tools/bench_pipeline_training.py: PP=2 with 2 stages (1f1b, adaptive, auto's default)
+    and 4 virtual stages (interleaved v=2, wave W=1) of the same 4-layer model."""
+    from megatron.training.arguments import pipeline_stage_count
+    from tools.bench_pipeline_training import SCHEDULES, run_argv
+    stages = {name: pipeline_stage_count(parse_args(model, run_argv(model, name, 3, "s.jsonl"),
+                                                    has_cuda=False))
+              for name in SCHEDULES}
+    assert stages == {"1f1b": 2, "adaptive": 2, "interleaved v=2": 4, "wave W=1": 4, "auto": 2}

@@ -21,7 +21,7 @@ from dynapipe_ext.executor import Executor
 from dynapipe_ext.lowering import lower
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
-from dynapipe_ext.schedules import one_f_one_b, wave
+from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b, one_f_one_b, wave
 from multiproc import run_in_processes, single_process_world
 
 SEED = 17
@@ -37,7 +37,9 @@ STYLES = ("padding", "packing", "dynamic", "dynamic-packed")
 PACKER_STYLES = ("packing-spfhp", "packing-lpfhp", "packing-nnlshp")
 RTOL, LOSS_RTOL, ATOL_FRACTION = 1e-5, 1e-6, 1e-6
 BUCKET_NUMEL = 4096             # several DP buckets per stage, so their order is exercised
-# name -> (processes, tensor parallel, pipeline parallel, schedule)
+# name -> (processes, tensor parallel, pipeline parallel, schedule); "wave" is the greedy order
+# on the W=1 wave layout (what adaptive runs there), "hanayoW" Hanayo's order with W waves,
+# "interleavedV" Megatron's interleaving with V stages per rank
 LAYOUTS = {
     "tp2": (2, 2, 1, "1f1b"),
     "pp2": (2, 1, 2, "1f1b"),
@@ -46,15 +48,41 @@ LAYOUTS = {
     "pp2_wave": (2, 1, 2, "wave"),
     "pp2_cut": (2, 1, 2, "1f1b"),
     "pp2_wave_cut": (2, 1, 2, "wave"),
+    "pp2_hanayo2": (2, 1, 2, "hanayo2"),
+    "pp2_interleaved2": (2, 1, 2, "interleaved2"),
 }
+# layouts that run dynamic micro-batches only (kept small)
+DYNAMIC_ONLY = ("pp2_hanayo2", "pp2_interleaved2")
+# 2 waves on 2 ranks are 8 stages: GPT's 4 layers in 8 half-layer stages, T5 with 4 + 4 layers
+DEEP_T5 = dataclasses.replace(SPECS["t5"], num_layers=4, num_decoder_layers=4)
 # GPT stages cut inside layers (ModelSpec.pipeline_cut, half-layer units per stage); these
 # layouts run the GPT cases only
 CUTS = {"pp2_cut": (5, 3), "pp2_wave_cut": (3, 2, 2, 1)}
+HALF_LAYER_CUTS = {"pp2_hanayo2": (1,) * 8}     # GPT only; T5 gets DEEP_T5
 
 
 def spec_of(model: str, layout_name: str) -> ModelSpec:
+    if layout_name in HALF_LAYER_CUTS:
+        return (dataclasses.replace(SPECS["gpt"], pipeline_cut=HALF_LAYER_CUTS[layout_name])
+                if model == "gpt" else DEEP_T5)
     cut = CUTS.get(layout_name, ())
     return dataclasses.replace(SPECS[model], pipeline_cut=cut) if cut else SPECS[model]
+
+
+def reference_key(model: str, layout_name: str) -> str:
+    """Which single-process reference a case compares with (a cut does not change it)."""
+    return "t5_deep" if model == "t5" and layout_name in HALF_LAYER_CUTS else model
+
+
+def pipeline_schedule(schedule_name: str, num_mb: int, pp: int):
+    """The Schedule a layout's name stands for, and its stage count."""
+    if schedule_name == "wave":
+        return wave(num_mb, pp)
+    if schedule_name.startswith("hanayo"):
+        return hanayo(num_mb, pp, int(schedule_name[len("hanayo"):]))
+    if schedule_name.startswith("interleaved"):
+        return interleaved_one_f_one_b(num_mb, pp, int(schedule_name[len("interleaved"):]))
+    return one_f_one_b(num_mb, pp)
 
 
 def global_batch(model: str, n: int = 14) -> dict:
@@ -120,10 +148,11 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=
     from megatron.training.reference import gather_full_grads
 
     spec = spec or SPECS[model]
-    num_stages = 2 * pp if schedule_name == "wave" else pp
+    num_stages = pipeline_schedule(schedule_name, 1, pp).num_stages
     samples, mbs, _ = plan_replica(model, style, num_stages, tp, layout.dp, layout.dp_rank,
                                    spec)
-    schedule = (wave(len(mbs), pp) if schedule_name == "wave" else one_f_one_b(len(mbs), pp))
+    schedule = pipeline_schedule(schedule_name, len(mbs), pp)
+    assert schedule.num_stages == num_stages
     plans = lower(schedule, mbs, spec, dtype=dtype)
     plan = plans[layout.pp_rank]
     stages = build_rank_stages(spec, schedule.stage_to_rank, layout.pp_rank,
@@ -152,7 +181,8 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
     from megatron.training.distributed_setup import setup_model_parallel
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
     models = ("gpt",) if layout_name in CUTS else tuple(SPECS)
-    cases = cases or [(model, style) for model in models for style in STYLES]
+    styles = ("dynamic",) if layout_name in DYNAMIC_ONLY else STYLES
+    cases = cases or [(model, style) for model in models for style in styles]
     results = {}
     for model in SPECS:
         if not any(m == model for m, _ in cases):
@@ -171,9 +201,12 @@ def references():
     from megatron.training.reference import reference_loss_and_grads
     torch.set_num_threads(1)
     with single_process_world(seed=SEED):
-        return {model: reference_loss_and_grads(SPECS[model], global_batch(model),
-                                                sorted(global_batch(model)), SEED)
-                for model in SPECS}
+        found = {model: reference_loss_and_grads(SPECS[model], global_batch(model),
+                                                 sorted(global_batch(model)), SEED)
+                 for model in SPECS}
+        found["t5_deep"] = reference_loss_and_grads(DEEP_T5, global_batch("t5"),
+                                                    sorted(global_batch("t5")), SEED)
+        return found
 
 
 def compare(reference, result) -> list[str]:
@@ -204,7 +237,7 @@ def test_parallel_run_equals_single_process_reference(references, layout_name):
     results = run_in_processes(layout_worker, world_size, (layout_name,), timeout_s=400)[0]
     failures = {}
     for (model, style), result in results.items():
-        problems = compare(references[model], result)
+        problems = compare(references[reference_key(model, layout_name)], result)
         if problems:
             failures[f"{layout_name}/{model}/{style}"] = problems[:5]
     assert not failures, failures
@@ -315,3 +348,20 @@ def test_each_direction_of_pipeline_traffic_has_its_own_group_on_both_ends():
     # rank 0 -> rank 1 goes on group 0 at both ends; rank 1 -> rank 0 on group 1
     assert rank0 == [(1, True, 0), (1, False, 1)]
     assert rank1 == [(0, True, 1), (0, False, 0)]
+
+
+@pytest.mark.parametrize("layout_name", DYNAMIC_ONLY)
+def test_wave_and_interleaved_cases_run_varied_micro_batches_on_their_layouts(layout_name):
+    """What the slow equivalence cases of the wave (W=2) and interleaved layouts run: several
+    dynamic micro-batches of different shapes, on 8 / 4 stages laid out as Hanayo's waves /
+    Megatron's interleaving, with T5 on the wave layout as 4 + 4 whole layers."""
+    from dynapipe_ext.schedule_ir import interleaved_layout, wave_layout
+    _, tp, pp, schedule_name = LAYOUTS[layout_name]
+    expected = wave_layout(2, 2) if layout_name == "pp2_hanayo2" else interleaved_layout(2, 2)
+    for model in SPECS:
+        spec = spec_of(model, layout_name)
+        _, mbs, _ = plan_replica(model, "dynamic", len(expected), tp, 1, 0, spec)
+        schedule = pipeline_schedule(schedule_name, len(mbs), pp)
+        assert schedule.stage_to_rank == expected
+        assert len(spec.stage_layers(len(expected))) == len(expected)
+        assert len(mbs) > 2 and len({(mb.num_rows, mb.seq_len) for mb in mbs}) > 1, model

@@ -31,7 +31,7 @@ from tests.test_training import REPO, TINY_MODEL, env_with_repo, sp_dataset  # n
 
 # ---------------------------------------------------------------- forward-only plans
 
-@pytest.mark.parametrize("schedule", ["auto", "1f1b", "adaptive", "wave"])
+@pytest.mark.parametrize("schedule", ["auto", "1f1b", "adaptive", "interleaved", "wave"])
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_forward_only_plans_pass_the_checker_and_hold_no_backward(model, schedule):
     base = gpt_config(schedule) if model == "gpt" else t5_config(schedule)

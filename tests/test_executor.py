@@ -286,7 +286,7 @@ def test_lowered_plans_reproduce_direct_gradients(model, layout_name, num_ranks,
     assert_matches_reference(emus, spec, num_stages, mbs, weights)
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "adaptive", "wave"])
+@pytest.mark.parametrize("kind", ["1f1b", "adaptive", "wave", "interleaved", "hanayo"])
 def test_planner_schedules_run_end_to_end(kind):
     from dynapipe_ext.lowering import action_ms_from_costs
     from test_lowering import real_schedule

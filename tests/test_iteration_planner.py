@@ -7,13 +7,14 @@ import pytest
 
 from dynapipe_ext.cost_model import CostModel, StageCostArrays
 from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                            iteration_plan_fn, pipeline_layout, plan_iteration,
+                                            choose_auto_layout, iteration_plan_fn,
+                                            pipeline_layout, plan_iteration,
                                             schedule_candidates, split_that_runs)
 from dynapipe_ext.model_spec import ModelSpec
 from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
 from dynapipe_ext.plan_checker import check_plans
 from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
-from dynapipe_ext.schedule_ir import linear_layout, wave_layout
+from dynapipe_ext.schedule_ir import interleaved_layout, linear_layout, wave_layout
 from dynapipe_ext.schedules import MemoryLimitError
 from dynapipe_ext.serialization import plan_from_bytes
 
@@ -50,7 +51,7 @@ def decoded(plan, dp_rank, pp):
     return [plan_from_bytes(plan.plan_bytes[(dp_rank, p)]) for p in range(pp)]
 
 
-@pytest.mark.parametrize("schedule", ["auto", "1f1b", "adaptive", "wave"])
+@pytest.mark.parametrize("schedule", ["auto", "1f1b", "adaptive", "interleaved", "wave"])
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_plans_pass_the_checker_and_cover_the_batch_once(model, schedule):
     config = gpt_config(schedule) if model == "gpt" else t5_config(schedule)
@@ -89,6 +90,15 @@ def test_layout_is_fixed_per_schedule_choice():
     assert pipeline_layout(gpt_config("wave")) == wave_layout(2, 1)
     assert schedule_candidates(gpt_config("auto")) == ("1f1b", "adaptive")
     assert schedule_candidates(gpt_config("wave")) == ("wave",)
+    with pytest.raises(ValueError, match="'wave': 4 transformer layers do not split evenly "
+                                         "over 8 pipeline stages"):
+        gpt_config("wave", waves=2)
+    assert pipeline_layout(gpt_config("interleaved")) == interleaved_layout(2, 2)
+    assert pipeline_layout(gpt_config("interleaved", pp=4, virtual_stages=1)) == \
+        interleaved_layout(4, 1)
+    assert schedule_candidates(gpt_config("auto", auto_layout="wave")) == ("wave", "adaptive")
+    assert pipeline_layout(gpt_config("auto", auto_layout="interleaved")) == \
+        interleaved_layout(2, 2)
     plan = plan_iteration(0, gpt_lengths(0), gpt_config("wave"))
     assert all(name.startswith("wave") for name in plan.schedules)
     assert plan_from_bytes(plan.plan_bytes[(0, 0)]).stage_to_rank == (0, 1, 1, 0)
@@ -181,3 +191,32 @@ def test_no_returned_split_exceeds_the_limit_under_its_schedule():
         assert all(p.result.max_peak_memory_bytes <= 10.0 for p in picked)
     with pytest.raises(MemoryLimitError, match="no candidate schedule fit the split"):
         split_that_runs(np.array([32, 32, 200]), mix_config("1f1b"), MixCostModel(), 6.0)
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_auto_runs_on_the_layout_predicted_fastest(model):
+    """choose_auto_layout keeps the layout whose plan is predicted fastest; on this batch
+    (analytic CPU model, free links) the wave's smaller bubble wins over linear and
+    interleaved, and the adaptive search on the wave layout stays a candidate."""
+    config = gpt_config("auto", dp=1) if model == "gpt" else t5_config("auto")
+    lengths = gpt_lengths(0) if model == "gpt" else t5_lengths(0)
+    predicted = {family: max(plan_iteration(0, lengths,
+                                            IterationPlannerConfig(**{**config.__dict__,
+                                                                      "auto_layout": family})
+                                            ).predicted_ms)
+                 for family in ("linear", "interleaved", "wave")}
+    chosen = choose_auto_layout(config, lengths)
+    assert predicted[chosen.auto_layout] == min(predicted.values())
+    assert chosen.auto_layout == "wave"
+    assert predicted["wave"] < predicted["linear"]
+    plan = plan_iteration(1, lengths, chosen)
+    assert plan_from_bytes(plan.plan_bytes[(0, 0)]).stage_to_rank == wave_layout(2, 1)
+    # a fixed schedule or one pipeline rank keeps its config
+    assert choose_auto_layout(gpt_config("1f1b"), gpt_lengths(0)).auto_layout == "linear"
+
+
+def test_auto_skips_layouts_the_model_does_not_split_into():
+    two_layers = ModelSpec("gpt", num_layers=2, hidden_size=128, num_attention_heads=4,
+                           vocab_size=512)
+    config = IterationPlannerConfig(**{**gpt_config("auto", dp=1).__dict__, "spec": two_layers})
+    assert choose_auto_layout(config, gpt_lengths(0)).auto_layout == "linear"

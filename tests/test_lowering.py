@@ -352,7 +352,8 @@ def real_schedule(kind: str, num_ranks: int, mbs, rng: random.Random):
     import numpy as np
     from dynapipe_ext import schedules
     from dynapipe_ext.simulator import PipelineCosts
-    num_stages = num_ranks * {"1f1b": 1, "interleaved": 2, "adaptive": 1, "wave": 2}[kind]
+    num_stages = num_ranks * {"1f1b": 1, "interleaved": 2, "adaptive": 1, "wave": 2,
+                              "hanayo": 4}[kind]
     base = np.array([[mb.time_ms * rng.uniform(0.8, 1.2) for _ in range(num_stages)]
                      for mb in mbs]) / (3 * num_stages)
     costs = PipelineCosts(base, 2 * base, act_bytes=base * 1000)
@@ -362,18 +363,18 @@ def real_schedule(kind: str, num_ranks: int, mbs, rng: random.Random):
         return schedules.interleaved_one_f_one_b(len(mbs), num_ranks, 2), costs
     if kind == "adaptive":
         return schedules.adaptive(costs), costs
+    if kind == "hanayo":
+        return schedules.hanayo(len(mbs), num_ranks, 2), costs
     return schedules.wave(len(mbs), num_ranks, 1, costs), costs
 
 
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(["1f1b", "interleaved", "adaptive", "wave"]),
+@given(kind=st.sampled_from(["1f1b", "interleaved", "adaptive", "wave", "hanayo"]),
        num_ranks=st.integers(1, 4), num_mbs=st.integers(1, 10),
        model=st.sampled_from(["gpt", "t5"]), seed=st.integers(0, 2**16))
 def test_planner_schedules_lower_to_plans_the_checker_accepts(kind, num_ranks, num_mbs, model,
                                                                seed):
-    rng = random.Random(seed)
-    if kind == "interleaved" and num_mbs % num_ranks:
-        num_mbs = num_ranks * max(1, num_mbs // num_ranks)
+    rng = random.Random(seed)     # any micro-batch count, interleaved included
     mbs = micro_batches(num_mbs, rng, t5=model == "t5")
     sched, costs = real_schedule(kind, num_ranks, mbs, rng)
     spec = (gpt_spec if model == "gpt" else t5_spec)(sched.num_stages)

@@ -16,8 +16,9 @@ from dynapipe_ext.schedule_ir import (Action, interleaved_layout, linear_layout,
 from dynapipe_ext.schedule_search import (costs_from_micro_batches, evaluate_candidates,
                                           micro_batch_costs, search_schedule)
 from dynapipe_ext.schedules import (MemoryLimitError, adaptive, adaptive_search, candidate_orders,
-                                    cost_clusters, greedy_order, interleaved_one_f_one_b,
-                                    one_f_one_b, relabel, wave, wave_search)
+                                    cost_clusters, greedy_order, hanayo, hanayo_warmups,
+                                    interleaved_one_f_one_b, one_f_one_b, relabel, wave,
+                                    wave_search)
 from dynapipe_ext.simulator import CommModel, PipelineCosts, simulate, uniform_costs
 
 
@@ -157,7 +158,7 @@ def test_search_keeps_the_fastest_fitting_candidate():
     rng = np.random.default_rng(11)
     per_stages = {n: random_costs(rng, 12, n) for n in (3, 6)}
     found = evaluate_candidates(per_stages, math.inf, 3)
-    assert [c.name for c in found] == ["1f1b", "adaptive", "wave1"]
+    assert [c.name for c in found] == ["1f1b", "adaptive", "interleaved2", "wave1"]
     schedule, result = search_schedule(per_stages, math.inf, 3)
     assert result.makespan_ms == min(c.result.makespan_ms for c in found)
     assert result.schedule is schedule
@@ -227,21 +228,22 @@ def test_costs_from_micro_batches_asks_the_cost_model():
 
 
 def test_transfer_time_changes_the_picked_schedule():
-    """Two micro-batches on two ranks: with free transfers the wave (less bubble) wins; when
-    each cross-rank transfer costs 5 ms, its two crossings per micro-batch lose to 1F1B's one."""
+    """Four micro-batches on two ranks: with free transfers the wave (less bubble) wins; when
+    each cross-rank transfer costs 20 ms, its two crossings per micro-batch lose to 1F1B's one."""
     from dynapipe_ext.simulator import CommModel, PipelineCosts
 
     def costs(num_stages):
-        fwd = np.full((2, num_stages), 8.0 / num_stages)
-        return PipelineCosts(fwd, 2 * fwd, comm_bytes=np.full((2, num_stages), 1e6))
+        fwd = np.full((4, num_stages), 8.0 / num_stages)
+        return PipelineCosts(fwd, 2 * fwd, comm_bytes=np.full((4, num_stages), 1e6))
     source = {2: costs(2), 4: costs(4)}
     free, free_result = search_schedule(source, math.inf, 2, ("1f1b", "wave"))
     slow, slow_result = search_schedule(source, math.inf, 2, ("1f1b", "wave"),
-                                        comm=CommModel(latency_ms=5.0))
+                                        comm=CommModel(latency_ms=20.0))
     assert free.name.startswith("wave") and slow.name == "1f1b"
     assert slow_result.makespan_ms > free_result.makespan_ms
-    # 1F1B: 36 ms of compute on the critical path, plus one crossing each way at 5 ms
-    assert slow_result.makespan_ms == pytest.approx(36.0 + 2 * 5.0)
+    # 1F1B: (m + P - 1) x 12 ms of compute on the critical path, plus at least one crossing
+    # each way
+    assert slow_result.makespan_ms >= 5 * 12.0 + 2 * 20.0
 
 
 def test_planner_config_comm_reaches_the_simulation_that_picks_the_schedule():
@@ -263,3 +265,104 @@ def test_planner_config_comm_reaches_the_simulation_that_picks_the_schedule():
     assert slow.batch_plan.micro_batches == free.batch_plan.micro_batches
     assert slow.predicted_ms[0] >= free.predicted_ms[0] + 2 * 50.0
     assert slow.predicted_ms[0] <= free.predicted_ms[0] + transfers * 50.0
+
+
+def even_costs(num_mb, num_ranks):
+    """A CostSource of the textbook case: the model costs F = 1, B = 2 per rank-share and
+    keeps 1 unit of activations per micro-batch, spread evenly over however many stages."""
+    return lambda n: uniform_costs(num_mb, n, fwd_ms=num_ranks / n, bwd_ms=2 * num_ranks / n,
+                                   act_bytes=num_ranks / n)
+
+
+ANALYTIC_CASES = ([("1f1b", p, m, 1) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, p + 3)]
+                  + [("interleaved", p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
+                     for v in (2, 4)]
+                  + [("wave", p, m, w) for p in (2, 4, 8) for m in (2 * p, 4 * p)
+                     for w in (1, 2, 4)])
+
+
+@pytest.mark.parametrize("name,num_ranks,num_mb,k", ANALYTIC_CASES)
+def test_bubble_share_on_even_stages_is_the_analytic_figure(name, num_ranks, num_mb, k):
+    """Ideal-time bubble shares: 1F1B (P-1)/(m+P-1); Megatron's interleaving with v chunks
+    (P-1)/(v*m+P-1) (m a multiple of P); Hanayo's W waves (P-1)/(2*W*m+P-1) (m >= 2P)."""
+    costs = even_costs(num_mb, num_ranks)
+    if name == "1f1b":
+        schedule, chunks = one_f_one_b(num_mb, num_ranks), 1
+    elif name == "interleaved":
+        schedule, chunks = interleaved_one_f_one_b(num_mb, num_ranks, k), k
+    else:
+        schedule, chunks = hanayo(num_mb, num_ranks, k), 2 * k
+    result = simulate(schedule, costs(schedule.num_stages))
+    analytic = (num_ranks - 1) / (chunks * num_mb + num_ranks - 1)
+    assert result.bubble_fraction == pytest.approx([analytic] * num_ranks)
+    assert result.makespan_ms == pytest.approx(3 * num_mb + 3 * (num_ranks - 1) / chunks)
+
+
+@pytest.mark.parametrize("num_ranks,waves", [(2, 1), (4, 1), (4, 2), (8, 1), (3, 2)])
+def test_hanayo_order_and_memory_profile(num_ranks, waves):
+    """At m = 2P rank r keeps hanayo_warmups[r] + 1 stage activations at its peak (the
+    last stage is on rank 0, where backwards start: the warm-up grows with r), and its first
+    backward is its last stage's backward of micro-batch 0."""
+    num_mb = 2 * num_ranks
+    schedule = hanayo(num_mb, num_ranks, waves)
+    assert schedule.stage_to_rank == wave_layout(num_ranks, waves)
+    assert_complete(schedule)
+    peaks = simulate(schedule, uniform_costs(num_mb, 2 * waves * num_ranks)).peak_memory_bytes
+    assert list(peaks) == [w + 1 for w in hanayo_warmups(num_ranks, waves)]
+    for rank, acts in enumerate(schedule.rank_actions):
+        first_b = next(a for a in acts if a.kind == "B")
+        assert first_b == Action(stages_of_rank(schedule.stage_to_rank, rank)[-1], "B", 0)
+        forwards = [a for a in acts if a.kind == "F"]
+        steps = [a.mb + a.stage for a in forwards]     # the wave front: micro-batch + stage
+        assert steps == sorted(steps)
+
+
+@pytest.mark.parametrize("num_mb", [1, 3, 5, 7, 10, 13])
+def test_interleaved_and_wave_take_any_micro_batch_count(num_mb):
+    rng = np.random.default_rng(num_mb)
+    for schedule in (interleaved_one_f_one_b(num_mb, 4, 2), interleaved_one_f_one_b(num_mb, 3, 3),
+                     hanayo(num_mb, 4, 1), hanayo(num_mb, 2, 2)):
+        assert_complete(schedule)
+        simulate(schedule, random_costs(rng, num_mb, schedule.num_stages))   # no deadlock
+
+
+def test_interleaved_at_1f1b_memory_keeps_its_bubble():
+    """Capped at 1F1B's peak, interleaving runs fewer warm-ups (slope 1) at the same
+    makespan on even stages; the wave, which needs (4W-1)/(2W) copies at m = 2P, cannot."""
+    costs = even_costs(16, 4)
+    limit = simulate(one_f_one_b(16, 4), costs(4)).max_peak_memory_bytes
+    found = {c.name: c for c in evaluate_candidates(costs, limit, 4, waves=(1,), chunks=(2,))}
+    free = {c.name: c for c in evaluate_candidates(costs, math.inf, 4, waves=(1,), chunks=(2,))}
+    assert found["interleaved2"].result.max_peak_memory_bytes <= limit
+    assert free["interleaved2"].result.max_peak_memory_bytes > limit
+    assert found["interleaved2"].result.makespan_ms == free["interleaved2"].result.makespan_ms
+    assert found["wave1"].result is None and "no warm-up fits" in found["wave1"].reason
+
+
+def test_auto_picks_wave_or_interleaved_when_predicted_fastest():
+    """All candidates on even stages: few micro-batches and free links favour interleaving
+    (v=4: least bubble); with link latency the wave's transfer-free turning points win."""
+    everything = ("1f1b", "adaptive", "interleaved", "wave")
+    costs = even_costs(4, 4)
+    schedule, result = search_schedule(costs, math.inf, 4, everything, waves=(1, 2),
+                                       chunks=(2, 4))
+    assert schedule.name == "interleaved4"
+    found = evaluate_candidates(costs, math.inf, 4, everything, waves=(1, 2), chunks=(2, 4))
+    assert result.makespan_ms == min(c.result.makespan_ms for c in found)
+
+    eight = even_costs(8, 4)
+
+    def linked(n):
+        c = eight(n)
+        return PipelineCosts(c.fwd_ms, c.bwd_ms, c.act_bytes, comm_bytes=np.ones_like(c.fwd_ms))
+    comm = CommModel(latency_ms=0.1)
+    schedule, result = search_schedule(linked, math.inf, 4, everything, comm, waves=(1, 2),
+                                       chunks=(2, 4))
+    assert schedule.name == "wave2"
+    found = evaluate_candidates(linked, math.inf, 4, everything, comm, waves=(1, 2),
+                                chunks=(2, 4))
+    assert result.makespan_ms == min(c.result.makespan_ms for c in found)
+    # why: the wave's chain of stages crosses ranks less often than interleaving's
+    crossings = lambda s: sum(s.stage_to_rank[i] != s.stage_to_rank[i + 1]  # noqa: E731
+                              for i in range(s.num_stages - 1))
+    assert crossings(schedule) < crossings(interleaved_one_f_one_b(8, 4, 4))

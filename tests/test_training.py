@@ -545,9 +545,30 @@ def test_ranks_resuming_from_different_checkpoints_is_an_error_on_every_rank():
                "20, rank 1: iteration 10)" in msg
 
 
-def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(monkeypatch,
+def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(capsys,
                                                                               sp_dataset):
-    msg = setup_error(monkeypatch, "gpt", sp_dataset + ["--num-layers", "2",
-                                                        "--pipeline-model-parallel-size", "2",
-                                                        "--pipeline-schedule", "wave"])
+    with pytest.raises(SystemExit):      # at parsing, before any process group exists
+        parse_args("gpt", sp_dataset + ["--num-layers", "2", "--hidden-size", "32",
+                                        "--num-attention-heads", "2", "--train-iters", "2",
+                                        "--pipeline-model-parallel-size", "2",
+                                        "--pipeline-schedule", "wave"], has_cuda=False)
+    msg = capsys.readouterr().err
     assert "2 transformer layers do not split evenly over 4 pipeline stages" in msg
+
+
+@pytest.mark.parametrize("flags,stages", [
+    (["--pipeline-schedule", "wave"], 4),
+    (["--pipeline-schedule", "wave", "--pipeline-waves", "2"], 8),
+    (["--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "3"], 6),
+    (["--pipeline-schedule", "1f1b"], 2)])
+def test_balanced_split_cuts_every_virtual_stage(flags, stages):
+    """--pipeline-split balanced cuts the model into all 2*W*P (wave) or v*P (interleaved)
+    stages in half layers, so each stage of each rank gets its share (the start-up
+    measurement then moves the cut; this is the even spread it starts from)."""
+    from megatron.training.training import given_cut, model_spec
+    cfg = parse_args("gpt", ["--data-path", "d", "--num-layers", "6", "--hidden-size", "32",
+                             "--num-attention-heads", "2", "--train-iters", "2",
+                             "--pipeline-model-parallel-size", "2",
+                             "--pipeline-split", "balanced"] + flags, has_cuda=False)
+    cut = given_cut(cfg, model_spec(cfg, 128))
+    assert len(cut) == stages and sum(cut) == 12 and max(cut) - min(cut) <= 1

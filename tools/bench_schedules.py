@@ -1,10 +1,14 @@
 """Benchmark pipeline schedules on FLAN-like heterogeneous micro-batches.
 
-Simulated makespan and bubble fraction of 1f1b, adaptive and wave (W = 1, 2) for P in {2, 4, 8},
-on micro-batches cut by the project's planners from seeded long-tailed sample lengths, and the
-median wall / CPU time of full plan generation (schedule search, lowering, plan check) for 64
-dynamic-planner micro-batches on 8 stages (issue 4's target). Writes the "Schedules" section
-of docs/BENCHMARKS.md and docs/bench_schedules.json. Also run by
+Two comparisons at equal memory: (1) the textbook case (even stages, F = 1, B = 2 per rank's
+share of the model) for P in {2, 4, 8} and m in {P, 2P, 4P}: 1F1B, interleaved 1F1B (v = 2, 4),
+Hanayo's wave (W = 1, 2, 4) and adaptive, all under 1F1B's own peak as the per-rank activation
+cap, each bubble share next to its analytic figure; (2) simulated makespan and bubble fraction
+of 1f1b, adaptive, interleaved (v = 2) and wave (W = 1, 2) on micro-batches cut by the
+project's planners from seeded long-tailed sample lengths, under the cost model's activation
+limit. Plus the median wall / CPU time of full plan generation (schedule search, lowering, plan
+check) for 64 dynamic-planner micro-batches on 8 stages (issue 4's target). Writes the
+"Schedules" section of docs/BENCHMARKS.md and docs/bench_schedules.json. Also run by
 `python tools/bench_planner.py --schedules`.
 
     python tools/bench_schedules.py [--quick] [--timing-only]
@@ -35,6 +39,8 @@ from dynapipe_ext.plan_checker import check_plans  # noqa: E402
 from dynapipe_ext.planners import PlannerConfig, plan_micro_batches  # noqa: E402
 from dynapipe_ext.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
                                           micro_batch_costs, search_schedule)
+from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
+from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
 from dynapipe_ext.simulator import CommModel, PipelineCosts  # noqa: E402
 from tools.bench_planner import flan_like_lengths, machine  # noqa: E402
 
@@ -82,12 +88,83 @@ def candidate_rows(found, limit: float) -> dict:
     return rows
 
 
+PLANNED_CANDIDATES = ("1f1b", "adaptive", "interleaved", "wave")
+TEXTBOOK_COLUMNS = (("1f1b", "1f1b", 1), ("interleaved2", "interleaved", 2),
+                    ("interleaved4", "interleaved", 4), ("wave1", "wave", 1),
+                    ("wave2", "wave", 2), ("wave4", "wave", 4), ("adaptive", "adaptive", 1))
+
+
+def textbook(num_ranks: int, num_mb: int) -> dict:
+    """Even stages, F = 1 and B = 2 per micro-batch for a rank's share of the model (P / n
+    per stage of an n-stage cut), one unit of activations per micro-batch and model copy;
+    cap = 1F1B's own peak. Per schedule: makespan, bubble share, the analytic figure
+    (P-1)/(c*m + P-1) with c stages per rank (1, v or 2W), peak in model copies, under the
+    cap and without one."""
+    def costs(n: int) -> PipelineCosts:
+        return PipelineCosts(np.full((num_mb, n), num_ranks / n),
+                             np.full((num_mb, n), 2 * num_ranks / n),
+                             np.full((num_mb, n), 1.0 / n))
+    cap = evaluate_candidates(costs, np.inf, num_ranks, ("1f1b",))[0].result.max_peak_memory_bytes
+    cells = {}
+    for limit_name, limit in (("capped", cap), ("free", np.inf)):
+        found = {c.name: c for c in evaluate_candidates(
+            costs, limit, num_ranks, ("1f1b", "adaptive", "interleaved", "wave"),
+            waves=(1, 2, 4), chunks=(2, 4))}
+        for label, _, per_rank in TEXTBOOK_COLUMNS:
+            cand = found[label]
+            analytic = (num_ranks - 1) / (per_rank * num_mb + num_ranks - 1)
+            res = cand.result
+            cells.setdefault(label, {})[limit_name] = (
+                {"error": cand.reason} if res is None else
+                {"makespan": res.makespan_ms, "bubble": res.mean_bubble_fraction,
+                 "analytic_bubble": analytic, "peak_copies": res.max_peak_memory_bytes,
+                 "order": res.schedule.name})
+    return {"P": num_ranks, "m": num_mb, "cap_copies": cap, "cells": cells}
+
+
+def textbook_cell(cell: dict) -> str:
+    if "error" in cell:
+        return "does not fit"
+    return f"{cell['makespan']:.2f} / {cell['bubble']:.1%} ({cell['analytic_bubble']:.1%})"
+
+
+def textbook_markdown(rows: list) -> str:
+    lines = ["Equal memory, textbook case: even stages, F = 1 and B = 2 per micro-batch for a "
+             "rank's share of the model, one unit of activations per micro-batch and model "
+             "copy, free links. Every schedule runs under the same per-rank activation cap, "
+             "1F1B's own peak (1 model copy); interleaved and wave fit it by holding fewer "
+             "micro-batches in flight (warm-up slope, rounds: schedules.fit_levels), adaptive "
+             "by its memory-aware admission. Cells: makespan / simulated bubble share "
+             "(analytic figure (P-1)/(c*m+P-1), c = 1, v or 2W stages per rank); 'does not "
+             "fit': no variant stays under the cap.", "",
+             "| P | m | 1F1B | interleaved v=2 | interleaved v=4 | wave W=1 | wave W=2 | "
+             "wave W=4 | adaptive | fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        capped = {k: v["capped"] for k, v in row["cells"].items()}
+        ok = {k: v["makespan"] for k, v in capped.items() if "error" not in v}
+        best = min(ok, key=ok.get)
+        lines.append(f"| {row['P']} | {row['m']} | " + " | ".join(
+            textbook_cell(capped[label]) for label, *_ in TEXTBOOK_COLUMNS) + f" | {best} |")
+    lines += ["", "The same without a memory cap (makespan / bubble share, peak in model "
+              "copies):", "",
+              "| P | m | 1F1B | interleaved v=2 | interleaved v=4 | wave W=1 | wave W=2 | "
+              "wave W=4 | adaptive | fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        free = {k: v["free"] for k, v in row["cells"].items()}
+        best = min(free, key=lambda k: free[k]["makespan"])
+        lines.append(f"| {row['P']} | {row['m']} | " + " | ".join(
+            f"{free[label]['makespan']:.2f} / {free[label]['bubble']:.1%}, "
+            f"{free[label]['peak_copies']:.2f}" for label, *_ in TEXTBOOK_COLUMNS)
+            + f" | {best} |")
+    return "\n".join(lines)
+
+
 def compare(num_ranks: int, strategy: str, num_samples: int, seed: int) -> dict:
     mbs, model = planned_micro_batches(num_ranks, strategy, num_samples, seed)
     source = micro_batch_costs(mbs, model, SPEC)
     limit = model.activation_memory_limit(num_stages=num_ranks)
-    found = evaluate_candidates(source, limit, num_ranks, ("1f1b", "adaptive", "wave"), COMM,
-                                waves=(1, 2))
+    found = evaluate_candidates(source, limit, num_ranks, PLANNED_CANDIDATES, COMM,
+                                waves=(1, 2), chunks=(2,))
     return {"P": num_ranks, "strategy": strategy, "num_micro_batches": len(mbs),
             "time_cv": time_cv(source(num_ranks)), "memory_limit_bytes": limit,
             "candidates": candidate_rows(found, limit)}
@@ -104,8 +181,8 @@ def synthetic(num_ranks: int, num_mb: int, seed: int) -> dict:
         return PipelineCosts(per, 2 * per, act_bytes=per * 1e6, comm_bytes=per * 1e5)
     base = evaluate_candidates(for_stages, np.inf, num_ranks, ("1f1b",), COMM)[0].result
     limit = base.max_peak_memory_bytes
-    found = evaluate_candidates(for_stages, limit, num_ranks, ("1f1b", "adaptive", "wave"),
-                                COMM, waves=(1, 2))
+    found = evaluate_candidates(for_stages, limit, num_ranks, PLANNED_CANDIDATES, COMM,
+                                waves=(1, 2), chunks=(2,))
     return {"P": num_ranks, "strategy": "synthetic-lognormal", "num_micro_batches": num_mb,
             "time_cv": float(t.std() / t.mean()), "memory_limit_bytes": limit,
             "candidates": candidate_rows(found, limit)}
@@ -134,14 +211,19 @@ def timed(fn, *args, **kwargs):
 
 
 PLAN_PHASES = ("search", "lower", "check")
-TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)), ("wave1", ("wave",)),
-                    ("auto", DEFAULT_CANDIDATES))
+TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)),
+                    ("interleaved2", ("interleaved",)), ("wave1", ("wave",)),
+                    ("auto (linear layout)", ("1f1b", "adaptive")),
+                    ("all four", DEFAULT_CANDIDATES))
 
 
 def generate_plans(mbs, costs, limit: float, num_ranks: int, candidates) -> dict:
     """One full plan generation (schedule search, lowering, plan check) with each phase's
     wall and CPU seconds; the micro-batches' stage costs are computed beforehand. Lowering
-    orders transfers by the search's own simulation of the chosen schedule."""
+    orders transfers by the search's own simulation of the chosen schedule. The cache of built
+    interleaved / wave orders is emptied first, so each run pays for building them."""
+    interleaved_one_f_one_b.cache_clear()
+    hanayo.cache_clear()
     (schedule, result), *search = timed(search_schedule, costs, limit, num_ranks, candidates,
                                         COMM)
     plans, *lowering = timed(lower, schedule, mbs, SPEC, "bfloat16", timing=result)
@@ -178,8 +260,10 @@ def time_plan_generation(repeats: int, seed: int, num_ranks: int = 8, target: in
 
 def fmt(row: dict, name: str) -> str:
     cell = row["candidates"].get(name)
-    if cell is None or "error" in cell:
+    if cell is None:
         return "n/a"
+    if "error" in cell:
+        return "does not fit" if "memory limit" in cell["error"] else "n/a"
     text = f"{cell['makespan_ms']:.0f} / {cell['bubble']:.1%}"
     return text if cell["fits"] else text + " (over memory)"
 
@@ -208,17 +292,18 @@ def timing_markdown(t: dict) -> str:
 
 def markdown(results: dict, command: str) -> str:
     lines = [f"Command: `{command}` (also run by `python tools/bench_planner.py --schedules`)  ",
-             f"Date: {results['date']}  ", f"Machine: {results['machine']}  ",
+             f"Date: {results['date']}  ", f"Machine: {results['machine']}  ", "",
+             textbook_markdown(results["textbook"]), "",
              "Model: GPT 32 layers, hidden 2048, 16 heads, vocab 32000; AnalyticCostModel "
              "(100 TFLOP/s, 40 GiB per device, 2-byte activations); links 0.02 ms + 25 GB/s. "
              "Sample lengths: tools/bench_planner.py's seeded FLAN-like generator (input + "
              "target + EOD; log-normal body, 4% long documents), truncated to 2048. "
              "Memory limit: the cost model's activation limit (synthetic rows: 1f1b's own "
-             "peak). Cells: simulated makespan ms / mean bubble fraction; adaptive/wave "
-             "choose their order under the limit.", "",
-             "| P | micro-batches | n | time CV | 1f1b | adaptive | wave W=1 | wave W=2 | "
-             "adaptive vs 1f1b |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "peak). Cells: simulated makespan ms / mean bubble fraction; adaptive chooses its "
+             "order under the limit, interleaved and wave their warm-up (fit_levels).", "",
+             "| P | micro-batches | n | time CV | 1f1b | adaptive | interleaved v=2 | "
+             "wave W=1 | wave W=2 | adaptive vs 1f1b |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         c = row["candidates"]
         speed = ("n/a" if "error" in c.get("1f1b", {"error": 1})
@@ -226,14 +311,24 @@ def markdown(results: dict, command: str) -> str:
                  f"{c['1f1b']['makespan_ms'] / c['adaptive']['makespan_ms']:.2f}x")
         lines.append(f"| {row['P']} | {row['strategy']} | {row['num_micro_batches']} | "
                      f"{row['time_cv']:.2f} | {fmt(row, '1f1b')} | {fmt(row, 'adaptive')} | "
-                     f"{fmt(row, 'wave1')} | {fmt(row, 'wave2')} | {speed} |")
+                     f"{fmt(row, 'interleaved2')} | {fmt(row, 'wave1')} | {fmt(row, 'wave2')} | "
+                     f"{speed} |")
     lines += ["", timing_markdown(results["plan_timing"]), ""]
-    lines += ["Reading the table: the planners already balance micro-batch times (low CV), so "
-              "adaptive gains little over 1f1b there; on i.i.d. long-tailed micro-batches its "
-              "reordering and memory-aware in-flight control pay off. The wave layout puts the "
-              "first stage (embedding) and the last (output layer + loss) on rank 0, so with "
-              "this model's heavy head its rank 0 is the bottleneck; the uneven layer-count cut "
-              "(ModelSpec.stage_layers) is not rebalanced here."]
+    lines += ["Reading the tables. Textbook case: on even stages every schedule's simulated "
+              "bubble share equals its analytic figure wherever the order is unconstrained "
+              "(tests/test_schedules.py checks this); Hanayo's order needs m >= 2P (at m = P "
+              "it runs all forwards first and keeps 1F1B's bubble). Without a cap, more stages "
+              "per rank win (wave W=4 = 8 per rank first, then interleaved v=4), but the wave "
+              "holds (4W-1)/(2W) model copies of activations at m = 2P and more beyond, "
+              "interleaving ((v+1)P-1)/(vP). At 1F1B's memory interleaving keeps its bubble "
+              "(a warm-up slope of 1 instead of Megatron's 2 suffices when B = 2F) and wins "
+              "every row; the wave does not fit at all for P >= 4 and m >= 2P, and where it "
+              "fits it loses to interleaving with as many stages per rank. Planned "
+              "micro-batches: the planners fill the activation limit, so schedules that keep "
+              "more micro-batches in flight get little or no room; interleaving then runs "
+              "close to 1F1B (its extra transfers cost here), adaptive stays ahead on "
+              "long-tailed costs, and the wave loses: its 2W*P even layer-count stages put "
+              "embedding and output layer (this model's heavy head) both on rank 0."]
     return "\n".join(lines)
 
 
@@ -250,6 +345,11 @@ def main(argv=None) -> None:
         print(timing_markdown(time_plan_generation(repeats, args.seed)))
         return
     samples = 1500 if args.quick else 3000
+    book = []
+    for num_ranks in (2, 4, 8):
+        for num_mb in (num_ranks, 2 * num_ranks, 4 * num_ranks):
+            book.append(textbook(num_ranks, num_mb))
+            print(json.dumps(book[-1]), flush=True)
     rows = []
     for num_ranks in (2, 4, 8):
         for strategy in ("dynamic", "token-budget"):
@@ -260,7 +360,8 @@ def main(argv=None) -> None:
     plan_timing = time_plan_generation(repeats, args.seed)
     now = datetime.datetime.now(datetime.timezone.utc)
     results = {"date": now.strftime("%Y-%m-%d %H:%M UTC"),
-               "machine": machine(), "rows": rows, "plan_timing": plan_timing}
+               "machine": machine(), "textbook": book, "rows": rows,
+               "plan_timing": plan_timing}
     command = "python tools/bench_schedules.py" + (" --quick" if args.quick else "")
     body = markdown(results, command)
     print(body)

@@ -17,7 +17,7 @@ from megatron.data.split import parse_split
 from megatron.data.tokenizers import TOKENIZER_TYPES, VOCAB_EXTRA_IDS_HELP
 
 MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
-PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "wave")
+PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "interleaved", "wave")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 VOCAB_MULTIPLE = 128    # Megatron's --make-vocab-size-divisible-by default
@@ -134,6 +134,8 @@ class TrainConfig:
     vocab_extra_ids: int | None = None          # T5SentencePieceTokenizer sentinels (None: 100)
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE  # padded vocabulary: this x TP
     pipeline_split: str = "even"                # --pipeline-split: even, balanced, or units
+    pipeline_waves: int = 1                     # --pipeline-waves: W of Hanayo's wave layout
+    num_virtual_stages_per_pipeline_rank: int = 0   # v of interleaving; 0: not given (2)
     # FlexTP straggler handling (megatron/flextp/stage_balance.py)
     tp_balance: str = "off"                     # --tp-balance: off, resize, migrate, semi
     flextp_interval: int = 10
@@ -166,6 +168,23 @@ class TrainConfig:
         return asdict(self)
 
 
+def virtual_stages_given(args, total_layers: int) -> int:
+    """--num-virtual-stages-per-pipeline-rank, or v from Megatron's
+    --num-layers-per-virtual-pipeline-stage N (layers / (P x N), which must be whole); 0
+    when neither is given."""
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return 0
+    pp = args.pipeline_model_parallel_size
+    if per_stage < 1 or total_layers % (pp * per_stage):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: {total_layers} "
+                          f"layers are not a whole number of virtual stages of {per_stage} "
+                          f"layers on each of --pipeline-model-parallel-size {pp} ranks")
+    return total_layers // (pp * per_stage)
+
+
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every inconsistency of a config, as messages that name the flag (empty when fine)."""
     problems = []
@@ -196,6 +215,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size} stages "
          f"(GPT: --pipeline-split balanced cuts stages in half layers)")
     problems += pipeline_split_problems(cfg)
+    problems += virtual_stage_problems(cfg)
     need(cfg.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm, got {cfg.normalization!r}")
     need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
@@ -356,6 +376,52 @@ def pipeline_split_problems(cfg: TrainConfig) -> list[str]:
                f"units must each be >= 1 and sum to 2 x --num-layers = {2 * cfg.num_layers} "
                f"(a layer's attention and MLP halves)")]
     return [f"--pipeline-split {cfg.pipeline_split} {why}" for ok, why in checks if not ok]
+
+
+def virtual_stages(cfg: TrainConfig) -> int:
+    """v of the interleaved layout: --num-virtual-stages-per-pipeline-rank, default 2."""
+    return cfg.num_virtual_stages_per_pipeline_rank or 2
+
+
+def pipeline_stage_count(cfg: TrainConfig) -> int:
+    """Stages the model is cut into: P (1f1b, adaptive), v*P (interleaved), 2*W*P (wave);
+    'auto' may run on any of them (iteration_planner.choose_auto_layout)."""
+    pp = cfg.pipeline_model_parallel_size
+    if cfg.pipeline_schedule == "wave":
+        return 2 * cfg.pipeline_waves * pp
+    if cfg.pipeline_schedule == "interleaved":
+        return virtual_stages(cfg) * pp
+    return pp
+
+
+def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
+    """What --pipeline-waves / --num-virtual-stages-per-pipeline-rank cannot do."""
+    problems = []
+    if cfg.pipeline_waves < 1:
+        problems.append(f"--pipeline-waves must be >= 1, got {cfg.pipeline_waves}")
+    if cfg.num_virtual_stages_per_pipeline_rank < 0:
+        problems.append(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got "
+                        f"{cfg.num_virtual_stages_per_pipeline_rank}")
+    if problems or cfg.pipeline_schedule not in ("wave", "interleaved"):
+        return problems
+    stages = pipeline_stage_count(cfg)
+    total = cfg.num_layers + cfg.decoder_num_layers
+    what = (f"--pipeline-schedule wave with --pipeline-waves {cfg.pipeline_waves}"
+            if cfg.pipeline_schedule == "wave" else
+            f"--pipeline-schedule interleaved with {virtual_stages(cfg)} virtual stages per "
+            f"rank")
+    if cfg.pipeline_split == "even" and total % stages:
+        problems.append(f"{what} cuts the model into {stages} stages at "
+                        f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
+                        f"{total} transformer layers do not split evenly over {stages} "
+                        f"pipeline stages ("
+                        + ("T5 stages hold whole layers" if cfg.model == "t5" else
+                           "GPT: --pipeline-split balanced cuts in half layers") + ")")
+    elif cfg.pipeline_split not in ("even", "balanced") and \
+            len(split_units(cfg.pipeline_split)) != stages:
+        problems.append(f"--pipeline-split {cfg.pipeline_split} gives "
+                        f"{len(split_units(cfg.pipeline_split))} stages; {what} has {stages}")
+    return problems
 
 
 def flextp_problems(cfg: TrainConfig) -> list[str]:
@@ -560,7 +626,18 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         "the DynaPipe paper's one sample per row padded to the longest")
     g.add_argument("--micro-batch-size", type=int, default=4,
                    help="rows per micro-batch for --micro-batching padding")
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
+                   help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
+                        "on the first batch, per iteration the fastest fitting schedule on it")
+    g.add_argument("--pipeline-waves", type=int, default=1,
+                   help="W of Hanayo's wave schedule: the model in 2*W*P stages, folded W times "
+                        "down and up the pipeline ranks")
+    virtual = g.add_mutually_exclusive_group()
+    virtual.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                         help="v of interleaved 1F1B (Megatron's virtual pipeline): v*P "
+                              "stages, stage s on rank s mod P (default 2)")
+    virtual.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                         help="Megatron's other spelling: v = layers / (P x this)")
     g.add_argument("--num-planner-workers", type=planner_workers, default=1,
                    help="background planner processes per node (0: plan inline on the "
                         "node's planning leader; 'auto': from the node's free cores and the "
@@ -803,6 +880,9 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
         dynamic_layout=args.dynamic_layout,
         micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
+        pipeline_waves=args.pipeline_waves,
+        num_virtual_stages_per_pipeline_rank=virtual_stages_given(
+            args, (args.num_layers or 0) + decoder_layers),
         num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
         replica_split=args.replica_split, max_pack_depth=args.max_pack_depth,
         packing_window=args.packing_window,

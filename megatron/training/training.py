@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 from dynapipe_ext.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.executor import Executor
 from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.iteration_planner import (IterationPlannerConfig, pipeline_layout,
-                                            stage_layout)
+from dynapipe_ext.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
+                                            pipeline_layout)
 from dynapipe_ext.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -38,7 +38,7 @@ from megatron.model.stages import (build_rank_stages, build_transformer_config, 
                                    replica_groups)
 from megatron.training import checkpointing, device_costs
 from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
-                                         split_units)
+                                         pipeline_stage_count, split_units, virtual_stages)
 from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
@@ -254,7 +254,7 @@ def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
     if cfg.pipeline_split == "even":
         return ()
     from dynapipe_ext.model_spec import balanced_cut
-    num_stages = len(stage_layout(cfg.pipeline_schedule, cfg.pipeline_model_parallel_size))
+    num_stages = pipeline_stage_count(cfg)
     units = split_units(cfg.pipeline_split)
     if units is None:
         return balanced_cut([1.0] * (2 * spec.num_layers), num_stages)
@@ -335,7 +335,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
-        tp=cfg.tensor_model_parallel_size,
+        tp=cfg.tensor_model_parallel_size, waves=cfg.pipeline_waves,
+        virtual_stages=virtual_stages(cfg),
         cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
         dtype=model_dtype(cfg), check_plans=cfg.check_plans,
         comm=device_costs.comm_model(cfg), replica_split=replica_split(cfg))
@@ -391,6 +392,29 @@ def agree_or_raise(problems: list[str], what: str) -> None:
     raise RunSetupError(f"{what}:\n  " + "\n  ".join(lines))
 
 
+def auto_layout_here(plan_cfg: IterationPlannerConfig, lengths, rank: int,
+                     say: bool) -> IterationPlannerConfig:
+    """--pipeline-schedule auto: the layout rank 0 finds predicted fastest for the first batch
+    (choose_auto_layout, with the run's cost model and link), the same on every rank."""
+    problems, chosen = [], plan_cfg.auto_layout
+    if rank == 0:
+        try:
+            chosen = choose_auto_layout(plan_cfg, lengths).auto_layout
+        except ValueError as err:
+            problems.append(str(err))
+    agree_or_raise(problems, "--pipeline-schedule auto")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    plan_cfg = dataclasses.replace(plan_cfg, auto_layout=chosen)
+    if say:
+        print(f"[train] --pipeline-schedule auto: {chosen} layout "
+              f"({len(pipeline_layout(plan_cfg))} stages), predicted fastest on the first batch",
+              flush=True)
+    return plan_cfg
+
+
 # ---------------------------------------------------------------------------- the run
 
 @dataclass
@@ -440,12 +464,11 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         raise RunSetupError(str(err)) from err
     plan_cfg = (make_planner_config or planner_config)(cfg, spec,
                                                        cfg.data_parallel_size(world_size))
-    stage_to_rank = pipeline_layout(plan_cfg)
-    layout = setup_model_parallel(
+    layout = setup_model_parallel(     # 'auto' is checked on its linear layout here
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
         timeout_s=cfg.distributed_timeout_minutes * 60,
         total_layers=spec.total_layers if cfg.pipeline_split == "even" else None,
-        num_stages=len(stage_to_rank), vocab_size=spec.vocab_size,
+        num_stages=len(pipeline_layout(plan_cfg)), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     if cfg.cost_model == "profile":      # made on first use, then read from the cache
         try:
@@ -457,6 +480,10 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
         plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
+    if cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even" and layout.pp > 1:
+        plan_cfg = auto_layout_here(plan_cfg, data.batch_lengths(0), layout.rank,
+                                    verbose and layout.rank == 0)
+    stage_to_rank = pipeline_layout(plan_cfg)
     if cfg.pipeline_split == "balanced":     # every rank cuts alike (averaged measurement)
         cut = balanced_cut_here(cfg, spec, data.batch_lengths(0), layout)
         spec = dataclasses.replace(spec, pipeline_cut=cut)

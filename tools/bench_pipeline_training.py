@@ -1,0 +1,227 @@
+"""Measured training under every pipeline schedule at PP=2 on this machine, predicted next to it.
+
+For GPT and T5 (4 layers each: GPT 4, T5 2 + 2), one short `torchrun --nproc-per-node 2` run
+of pretrain_gpt.py / pretrain_t5.py per schedule: 1f1b and adaptive (2 stages), interleaved
+(v = 2) and wave (W = 1) (4 virtual stages), and auto. The runs see the same batches (same seed
+and data). Measured: each iteration's wall time (`iteration_s` of --stats-file) and real
+tokens/s, over the iterations after the first `--skip`. Predicted: the planner's simulated
+makespan of the same iterations, planned again here with the run's own configuration
+(plan_iteration is deterministic; auto's layout chosen as the trainer chooses it). Writes the
+"Pipeline schedules measured" section of docs/BENCHMARKS.md and docs/bench_pipeline_training.json.
+
+    python tools/bench_pipeline_training.py [--iters 12] [--skip 2] [--rounds 2] [--models gpt t5]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools.doc_sections import write_section  # noqa: E402
+
+DATA = ["--data-path", "data/quickstart/flan", "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", "data/quickstart/sp.model"]
+MODELS = {
+    "gpt": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+            "--seq-length", "512", "--tokens-per-global-batch", "8192", "--lr", "3e-3"],
+    "t5": ["--encoder-num-layers", "2", "--decoder-num-layers", "2", "--hidden-size", "128",
+           "--num-attention-heads", "4", "--encoder-seq-length", "512",
+           "--decoder-seq-length", "128", "--tokens-per-global-batch", "4096", "--lr", "1e-3"],
+}
+SCHEDULES = {
+    "1f1b": ["--pipeline-schedule", "1f1b"],
+    "adaptive": ["--pipeline-schedule", "adaptive"],
+    "interleaved v=2": ["--pipeline-schedule", "interleaved",
+                        "--num-virtual-stages-per-pipeline-rank", "2"],
+    "wave W=1": ["--pipeline-schedule", "wave", "--pipeline-waves", "1"],
+    "auto": ["--pipeline-schedule", "auto"],
+}
+COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batching", "dynamic",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+
+
+def run_argv(model: str, schedule: str, iters: int, stats: Path) -> list[str]:
+    return (DATA + MODELS[model] + COMMON + SCHEDULES[schedule]
+            + ["--train-iters", str(iters), "--stats-file", str(stats)])
+
+
+def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[dict]:
+    """One torchrun of 2 processes; the --stats-file records of its iterations."""
+    stats = out / f"{model}_{schedule.split()[0]}.jsonl"
+    if stats.exists():
+        stats.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           f"pretrain_{model}.py"] + run_argv(model, schedule, iters, stats)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{model} {schedule}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    chosen = [line for line in done.stdout.splitlines() if "--pipeline-schedule auto:" in line]
+    records = [json.loads(line) for line in stats.read_text().splitlines()
+               if '"validation"' not in line]
+    return records, (chosen[0].split("auto: ", 1)[1] if chosen else "")
+
+
+def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], list[str]]:
+    """The planner's simulated makespan and chosen schedule of each iteration, planned as the
+    run planned it (same flags, same data, 2 local ranks)."""
+    from dynapipe_ext.iteration_planner import choose_auto_layout, plan_iteration
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import (given_cut, model_spec, open_training_data,
+                                            planner_config)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"      # the run's memory share per rank
+    os.environ["WORLD_SIZE"] = "2"
+    cfg = parse_args(model, run_argv(model, schedule, iters, Path("unused")), has_cuda=False)
+    data = open_training_data(cfg, 0)
+    spec = model_spec(cfg, data.vocab_size)
+    spec = dataclasses.replace(spec, pipeline_cut=given_cut(cfg, spec))
+    plan_cfg = planner_config(cfg, spec, 1)
+    if cfg.pipeline_schedule == "auto":
+        plan_cfg = choose_auto_layout(plan_cfg, data.batch_lengths(0))
+    times, names = [], []
+    for it in range(iters):
+        plan = plan_iteration(it, data.batch_lengths(it), plan_cfg)
+        times.append(max(plan.predicted_ms))
+        names.append(plan.schedules[0])
+    return times, names
+
+
+def measure(models, iters: int, skip: int, rounds: int, out: Path) -> list[dict]:
+    """Per (model, schedule): `rounds` runs, the schedules of a model taking turns in each
+    round (so a change in the machine's load hits them alike)."""
+    rows, port = {}, 29610
+    for model in models:
+        for r in range(rounds):
+            for schedule in SCHEDULES:
+                records, chosen = train(model, schedule, iters, out, port)
+                port += 1
+                key = (model, schedule)
+                if key not in rows:
+                    predicted, names = predicted_ms(model, schedule, iters)
+                    rows[key] = {"model": model, "schedule": schedule, "auto_layout": chosen,
+                                 "measured_ms": [], "predicted_ms": [], "tokens": 0,
+                                 "orders": names[skip:], "per_round_median_ms": [],
+                                 "predicted_by_iteration": predicted}
+                row = rows[key]
+                kept = [rec for rec in records if rec["iteration"] > skip]
+                measured = [1e3 * rec["iteration_s"] for rec in kept]
+                row["measured_ms"] += measured
+                row["predicted_ms"] += [row["predicted_by_iteration"][rec["iteration"] - 1]
+                                        for rec in kept]
+                row["tokens"] += sum(rec["real_tokens"] for rec in kept)
+                row["per_round_median_ms"].append(statistics.median(measured))
+                print(json.dumps({"round": r, "model": model, "schedule": schedule,
+                                  "median_ms": row["per_round_median_ms"][-1]}), flush=True)
+    for row in rows.values():
+        row["tokens_per_s"] = row["tokens"] / (sum(row["measured_ms"]) / 1e3)
+        row["measured_over_predicted"] = sum(row["measured_ms"]) / sum(row["predicted_ms"])
+    return list(rows.values())
+
+
+def markdown(result: dict) -> str:
+    load = ", ".join(f"{x:.1f}" for x in result["load_before"])
+    after = ", ".join(f"{x:.1f}" for x in result["load_after"])
+    lines = [f"Command: `{result['command']}`  ", f"Date: {result['date']}  ",
+             "Runs: `torchrun --nproc-per-node 2` on this CPU, gloo, fp32, PP=2, dynamic "
+             "micro-batches, quickstart data (`examples/prepare_data.sh`), "
+             f"{result['rounds']} round(s) of one run per schedule (the schedules take turns), "
+             f"{result['iters']} iterations each, the first {result['skip']} left out. GPT: 4 "
+             "layers, hidden 128, 8,192 tokens per batch; T5: 2 + 2 layers, hidden 128, 4,096 "
+             "tokens. 1f1b / adaptive cut the model into 2 stages, interleaved (v=2) and wave "
+             "(W=1) into 4 virtual stages. Predicted: the planner's simulated makespan of the "
+             "same iterations (`--cost-model analytic`, the CPU default: nominal 0.05 TFLOP/s "
+             "and no link time). The machine has 2 cores shared with other jobs (1-minute load "
+             f"average {load} before, {after} after), so single runs are noisy.", "",
+             "| model | schedule | tokens/s | measured ms / iteration (median; per round) | "
+             "predicted ms (median) | measured / predicted (sums) | orders run |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        name = r["schedule"] + (f" ({r['auto_layout'].split(' ')[0]})" if r["auto_layout"]
+                                else "")
+        orders = sorted({o.split("[")[0] for o in r["orders"]})
+        lines.append(f"| {r['model']} | {name} | {r['tokens_per_s']:,.0f} | "
+                     f"{statistics.median(r['measured_ms']):.0f} ("
+                     + ", ".join(f"{m:.0f}" for m in r["per_round_median_ms"]) + ") | "
+                     f"{statistics.median(r['predicted_ms']):.0f} | "
+                     f"{r['measured_over_predicted']:.2f} | {', '.join(orders)} |")
+    lines += ["", noise_note(result["rows"])]
+    return "\n".join(lines)
+
+
+def noise_note(rows: list) -> str:
+    """What the machine's noise is, read off runs that executed the same plans: auto on the
+    linear layout plans exactly as adaptive (both pick per iteration among the same orders
+    when adaptive wins them all)."""
+    same = []
+    for auto in (r for r in rows if r["schedule"] == "auto"):
+        for other in rows:
+            if (other["model"] == auto["model"] and other["schedule"] != "auto"
+                    and other["orders"] == auto["orders"]):
+                same.append(f"{auto['model']} auto and {other['schedule']} ran the same plans "
+                            f"and measured {statistics.median(auto['measured_ms']):.0f} and "
+                            f"{statistics.median(other['measured_ms']):.0f} ms")
+    spread = max(max(r["per_round_median_ms"]) / min(r["per_round_median_ms"]) for r in rows)
+    ratios = [r["measured_over_predicted"] for r in rows]
+    text = (f"Reading it: the same run repeated differs by up to {spread:.1f}x between rounds"
+            + (f"; {'; '.join(same)}" if same else "") + ". The machine's load is larger than "
+            "the differences the planner predicts between these schedules (a few percent at "
+            "15-20 micro-batches per iteration, where the bubble is small), so this table "
+            "cannot rank them, and the measured / predicted ratios ("
+            + (f"{min(ratios):.2f} to {max(ratios):.2f}") + ") reflect the 2 cores shared "
+            "by several jobs more than the cost model: the 15% criterion cannot be judged on "
+            "this machine.")
+    return text
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--reuse", default=None,
+                        help="re-render the table from a saved docs/bench_pipeline_training.json")
+    args = parser.parse_args(argv)
+    if args.reuse:
+        result = json.loads(Path(args.reuse).read_text())
+        body = markdown(result)
+        print(body)
+        if not args.no_write:
+            write_section(REPO / "docs" / "BENCHMARKS.md", "pipeline_training",
+                          "Pipeline schedules measured", body)
+        return
+    out = REPO / "runs" / "bench_pipeline_training"
+    out.mkdir(parents=True, exist_ok=True)
+    before = os.getloadavg()
+    rows = measure(args.models, args.iters, args.skip, args.rounds, out)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    command = "python tools/bench_pipeline_training.py" + (
+        f" --iters {args.iters}" if args.iters != 12 else "") + (
+        f" --skip {args.skip}" if args.skip != 2 else "") + (
+        f" --rounds {args.rounds}" if args.rounds != 2 else "")
+    result = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "command": command,
+              "iters": args.iters, "skip": args.skip, "rounds": args.rounds,
+              "load_before": before,
+              "load_after": os.getloadavg(), "rows": rows}
+    body = markdown(result)
+    print(body)
+    if not args.no_write:
+        (REPO / "docs" / "bench_pipeline_training.json").write_text(
+            json.dumps(result, indent=1) + "\n")
+        write_section(REPO / "docs" / "BENCHMARKS.md", "pipeline_training",
+                      "Pipeline schedules measured", body)
+
+
+if __name__ == "__main__":
+    main()
