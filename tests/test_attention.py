@@ -15,6 +15,7 @@ from megatron.model.attention import (
     Segments,
     length_groups,
     sdpa_layer_spec,
+    segment_bucket,
     set_packed_attention,
 )
 from megatron.model.batch_tensors import build_micro_batch
@@ -167,8 +168,29 @@ def test_grouped_query_attention(world):
 def test_segments_of_equal_shape_run_together():
     mask = AttentionMask.of(Segments.from_lengths([(3, 5, 3), (5, 3)], 12))
     groups = length_groups(mask)
-    assert groups == {(3, 3): ([0, 0, 1], [0, 8, 5], [0, 8, 5]),
-                      (5, 5): ([0, 1], [3, 0], [3, 0])}
+    assert groups == {(3, 3): ([0, 0, 1], [0, 8, 5], [0, 8, 5], [3, 3, 3], [3, 3, 3]),
+                      (5, 5): ([0, 1], [3, 0], [3, 0], [5, 5], [5, 5])}
+    # grouped by padded shape: 100 and 97 share 104, 40 stays apart
+    bucketed = length_groups(AttentionMask.of(Segments.from_lengths([(100, 40, 97)], 240)),
+                             segment_bucket)
+    assert bucketed == {(104, 104): ([0, 0], [0, 140], [0, 140], [100, 97], [100, 97]),
+                        (40, 40): ([0], [100], [100], [40], [40])}
+
+
+def test_segment_buckets_pad_at_most_one_eighth():
+    for n in range(1, 5000):
+        b = segment_bucket(n)
+        assert n <= b <= n * 9 / 8 and (n > 16 or b == n)
+    assert len({segment_bucket(n) for n in range(1025, 2049)}) == 8
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segments_padded_to_a_shared_shape_compute_each_sample_alone(world, causal):
+    """Samples of 100 and 97 tokens run as one call padded to 104 (reading into the next
+    sample and past the row's end): the same outputs and gradients as the dense mask."""
+    compare([(100, 40, 97), (99, 5)], [(100, 40, 97), (99, 5)], 240, 240, causal=causal)
+    if not causal:      # cross-attention: queries and keys of other lengths
+        compare([(100, 40, 97), (99, 5)], [(30, 61, 58), (57, 9)], 240, 150, causal=False)
 
 
 def test_layout_errors_are_clear():

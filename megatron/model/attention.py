@@ -144,17 +144,33 @@ class AttentionMask:
         return allowed[:, None]
 
 
-def length_groups(mask: AttentionMask) -> dict[tuple[int, int], tuple[list, list, list]]:
-    """(query length, key length) -> (rows, query starts, key starts) of every sample segment,
-    so that segments of equal shape run as one batched call."""
-    groups: dict[tuple[int, int], tuple[list, list, list]] = {}
+# segments are grouped for one batched attention call by their lengths rounded up to one of
+# this many steps per doubling (segment_bucket): fewer, larger calls for at most 1/STEPS more
+# tokens per segment
+BUCKET_STEPS_PER_DOUBLING = 8
+
+
+def segment_bucket(length: int, steps: int = BUCKET_STEPS_PER_DOUBLING) -> int:
+    """The length a segment is padded to in its group: itself up to 2 * steps tokens, else
+    rounded up to a multiple of 1/steps of its power of two (at most 1/steps more)."""
+    if length <= 2 * steps:
+        return length
+    unit = 1 << max(0, length.bit_length() - steps.bit_length())
+    return -(-length // unit) * unit
+
+
+def length_groups(mask: AttentionMask, bucket=lambda n: n
+                  ) -> dict[tuple[int, int], tuple[list, list, list, list, list]]:
+    """(query bucket, key bucket) -> (rows, query starts, key starts, query lengths, key
+    lengths) of every sample segment, so that segments of one padded shape run as one batched
+    call; `bucket` maps a length to the length it is padded to (default: exact lengths)."""
+    groups: dict[tuple[int, int], tuple[list, list, list, list, list]] = {}
     for r, (q_row, k_row) in enumerate(zip(mask.q.lengths, mask.k.lengths)):
         q0 = k0 = 0
         for lq, lk in zip(q_row, k_row):
-            rows, q_starts, k_starts = groups.setdefault((lq, lk), ([], [], []))
-            rows.append(r)
-            q_starts.append(q0)
-            k_starts.append(k0)
+            group = groups.setdefault((bucket(lq), bucket(lk)), ([], [], [], [], []))
+            for values, value in zip(group, (r, q0, k0, lq, lk)):
+                values.append(value)
             q0, k0 = q0 + lq, k0 + lk
     return groups
 
@@ -356,38 +372,63 @@ class SDPAttention(DotProductAttention):
                                  enable_gqa=q.shape[1] != k.shape[1])
 
     def _by_length(self, query, key, value, mask: AttentionMask, causal: bool, bias=None):
-        """Per-segment attention batched by segment shape; returns [sq, b, heads, dim] with
-        zeros at pad positions. `bias` ([1, heads, n, n], positions from each sample's start)
-        adds its [lq, lk] block to each group's scores."""
+        """Per-segment attention, segments of one padded shape (segment_bucket) batched in
+        one call; returns [sq, b, heads, dim] with zeros at pad positions. A segment shorter
+        than its group's shape is read on past its end, and what that adds is never seen:
+        causal queries do not reach later keys, other keys are masked out, and queries past
+        the end are not written back (so no gradient reaches what was read). `bias` ([1,
+        heads, n, n], positions from each sample's start) adds its top-left block."""
         out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
-        for (lq, lk), (q_pos, k_pos, rows) in self._gather_indices(mask, query.device).items():
+        for (lq, lk), (q_pos, k_pos, rows, real_q, real_k) in self._gather_indices(
+                mask, query.device).items():
             qg = query[q_pos, rows].permute(0, 2, 1, 3)            # [n, heads, lq, dim]
             kg = key[k_pos, rows].permute(0, 2, 1, 3)
             vg = value[k_pos, rows].permute(0, 2, 1, 3)
+            keys = None if real_k is None or causal else real_k[:, None, None, :]
             if bias is None:
-                og = self._sdpa(qg, kg, vg, None, causal)
+                og = self._sdpa(qg, kg, vg, keys, causal)
             else:
                 scores = bias[:, :, :lq, :lk].to(qg.dtype)
                 if causal:
                     later = torch.ones(lq, lk, dtype=torch.bool, device=qg.device).triu(1)
                     scores = scores.masked_fill(later, float("-inf"))
+                if keys is not None:
+                    scores = scores.masked_fill(~keys, float("-inf"))
                 og = self._sdpa(qg, kg, vg, scores, False)
-            out.index_put_((q_pos, rows), og.permute(0, 2, 1, 3))
+            og = og.permute(0, 2, 1, 3)                              # [n, lq, heads, dim]
+            if real_q is None:
+                out.index_put_((q_pos, rows), og)
+            else:
+                out.index_put_((q_pos[real_q], rows.expand_as(q_pos)[real_q]), og[real_q])
         return out
 
     @staticmethod
     def _gather_indices(mask: AttentionMask, device):
-        """Per segment shape: [n, lq] query positions, [n, lk] key positions, [n, 1] rows."""
+        """Per padded segment shape: [n, lq] query positions, [n, lk] key positions, [n, 1]
+        rows, and [n, lq] / [n, lk] bool of the positions inside their segment (None when
+        every segment of the group has the group's shape). Positions past a row's end are
+        clamped into it (read, never used)."""
         key = ("gather", device)
         if key not in mask.cache:
             indices = {}
-            for (lq, lk), (rows, q0, k0) in length_groups(mask).items():
-                q_pos = torch.tensor(q0)[:, None] + torch.arange(lq)
-                k_pos = torch.tensor(k0)[:, None] + torch.arange(lk)
-                indices[(lq, lk)] = tuple(t.to(device, non_blocking=True) for t in
-                                          (q_pos, k_pos, torch.tensor(rows)[:, None]))
+            for (lq, lk), (rows, q0, k0, q_len, k_len) in length_groups(
+                    mask, segment_bucket).items():
+                q_pos, real_q = _padded_positions(q0, q_len, lq, mask.q.seq_len)
+                k_pos, real_k = _padded_positions(k0, k_len, lk, mask.k.seq_len)
+                indices[(lq, lk)] = tuple(None if t is None else t.to(device, non_blocking=True)
+                                          for t in (q_pos, k_pos, torch.tensor(rows)[:, None],
+                                                    real_q, real_k))
             mask.cache[key] = indices
         return mask.cache[key]
+
+
+def _padded_positions(starts, lengths, width: int, seq_len: int):
+    """[n, width] positions of segments starting at `starts`, clamped into the row, and the
+    [n, width] bool of those inside their segment (None when all are)."""
+    offset = torch.arange(width)
+    positions = (torch.tensor(starts)[:, None] + offset).clamp(max=seq_len - 1)
+    real = offset < torch.tensor(lengths)[:, None]
+    return positions, (None if bool(real.all()) else real)
 
 
 def sdpa_layer_spec(layer_spec):
