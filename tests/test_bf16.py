@@ -24,9 +24,9 @@ from test_equivalence import LAYOUTS, SEED, SPECS, STYLES, layout_worker, refere
 LOSS_RTOL, TOTAL_RTOL, PARAM_RTOL, MIN_COSINE = 4e-3, 2e-2, 0.15, 0.99
 # layout -> (model, style) cases; each model meets each style at least once
 CASES = {
-    "tp2": [("gpt", "padding"), ("t5", "packing")],
+    "tp2": [("gpt", "padding"), ("t5", "packing"), ("t5", "dynamic-packed")],
     "pp2": [("gpt", "packing"), ("t5", "dynamic")],
-    "dp2": [("gpt", "dynamic"), ("t5", "padding")],
+    "dp2": [("gpt", "dynamic"), ("t5", "padding"), ("gpt", "dynamic-packed")],
     "tp2_pp2": [("gpt", "dynamic"), ("t5", "packing")],
 }
 
