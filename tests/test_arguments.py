@@ -383,12 +383,17 @@ def test_wave_and_interleaved_flags_set_the_stage_count(capsys):
 
 
 @pytest.mark.parametrize("model", ["gpt", "t5"])
-def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model):
+def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model, tmp_path):
     """tools/bench_pipeline_training.py: PP=2 with 2 stages (1f1b, adaptive, auto's default)
     and 4 virtual stages (interleaved v=2, wave W=1) of the same 4-layer model."""
     from megatron.training.arguments import pipeline_stage_count
     from tools.bench_pipeline_training import SCHEDULES, run_argv
-    stages = {name: pipeline_stage_count(parse_args(model, run_argv(model, name, 3, "s.jsonl"),
-                                                    has_cuda=False))
+    tokenizer = tmp_path / "sp.model"      # the quickstart's data need not exist to parse
+    tokenizer.write_bytes(b"")
+
+    def argv(name):
+        return [str(tokenizer) if a.endswith("sp.model") else a
+                for a in run_argv(model, name, 3, "s.jsonl")]
+    stages = {name: pipeline_stage_count(parse_args(model, argv(name), has_cuda=False))
               for name in SCHEDULES}
     assert stages == {"1f1b": 2, "adaptive": 2, "interleaved v=2": 4, "wave W=1": 4, "auto": 2}
