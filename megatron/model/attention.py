@@ -379,7 +379,7 @@ class SDPAttention(DotProductAttention):
         the end are not written back (so no gradient reaches what was read). `bias` ([1,
         heads, n, n], positions from each sample's start) adds its top-left block."""
         out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
-        for (lq, lk), (q_pos, k_pos, rows, real_q, real_k) in self._gather_indices(
+        for (lq, lk), (q_pos, k_pos, rows, written, real_k) in self._gather_indices(
                 mask, query.device).items():
             qg = query[q_pos, rows].permute(0, 2, 1, 3)            # [n, heads, lq, dim]
             kg = key[k_pos, rows].permute(0, 2, 1, 3)
@@ -396,18 +396,20 @@ class SDPAttention(DotProductAttention):
                     scores = scores.masked_fill(~keys, float("-inf"))
                 og = self._sdpa(qg, kg, vg, scores, False)
             og = og.permute(0, 2, 1, 3)                              # [n, lq, heads, dim]
-            if real_q is None:
+            if written is None:
                 out.index_put_((q_pos, rows), og)
-            else:
-                out.index_put_((q_pos[real_q], rows.expand_as(q_pos)[real_q]), og[real_q])
+            else:                   # only the queries inside their segment (integer indices)
+                keep, keep_pos, keep_rows = written
+                out.index_put_((keep_pos, keep_rows), og.flatten(0, 1)[keep])
         return out
 
     @staticmethod
     def _gather_indices(mask: AttentionMask, device):
         """Per padded segment shape: [n, lq] query positions, [n, lk] key positions, [n, 1]
-        rows, and [n, lq] / [n, lk] bool of the positions inside their segment (None when
-        every segment of the group has the group's shape). Positions past a row's end are
-        clamped into it (read, never used)."""
+        rows, the queries to write back (flat index into [n * lq], position, row) and the [n,
+        lk] bool of keys inside their segment (both None when every segment of the group has
+        the group's shape). Positions past a row's end are clamped into it (read, never used).
+        Built on the host once per micro-batch: the device never has to report a count."""
         key = ("gather", device)
         if key not in mask.cache:
             indices = {}
@@ -415,11 +417,24 @@ class SDPAttention(DotProductAttention):
                     mask, segment_bucket).items():
                 q_pos, real_q = _padded_positions(q0, q_len, lq, mask.q.seq_len)
                 k_pos, real_k = _padded_positions(k0, k_len, lk, mask.k.seq_len)
-                indices[(lq, lk)] = tuple(None if t is None else t.to(device, non_blocking=True)
-                                          for t in (q_pos, k_pos, torch.tensor(rows)[:, None],
-                                                    real_q, real_k))
+                row = torch.tensor(rows)[:, None]
+                written = None
+                if real_q is not None:
+                    keep = real_q.flatten().nonzero().flatten()
+                    written = (keep, q_pos.flatten()[keep], row.expand_as(q_pos).flatten()[keep])
+                indices[(lq, lk)] = (_to(q_pos, device), _to(k_pos, device), _to(row, device),
+                                     _to(written, device), _to(real_k, device))
             mask.cache[key] = indices
         return mask.cache[key]
+
+
+def _to(value, device):
+    """A host tensor (or a tuple of them, or None) on `device`, copied without waiting."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_to(t, device) for t in value)
+    return value.to(device, non_blocking=True)
 
 
 def _padded_positions(starts, lengths, width: int, seq_len: int):
@@ -427,8 +442,9 @@ def _padded_positions(starts, lengths, width: int, seq_len: int):
     [n, width] bool of those inside their segment (None when all are)."""
     offset = torch.arange(width)
     positions = (torch.tensor(starts)[:, None] + offset).clamp(max=seq_len - 1)
-    real = offset < torch.tensor(lengths)[:, None]
-    return positions, (None if bool(real.all()) else real)
+    if all(n == width for n in lengths):
+        return positions, None
+    return positions, offset < torch.tensor(lengths)[:, None]
 
 
 def sdpa_layer_spec(layer_spec):
