@@ -242,9 +242,11 @@ def test_t5_relative_bias_of_a_packed_stream_equals_padded_rows(world):
     spec = ModelSpec("t5", 2, 32, 4, 64, num_decoder_layers=2, max_position_embeddings=64,
                      position_embedding_type="relative", relative_attention_num_buckets=8,
                      relative_attention_max_distance=16)
-    samples = random_samples("t5", 6, seed=3)
-    enc = [len(samples[i][0]) for i in range(6)]
-    dec = [len(samples[i][1]) for i in range(6)]
+    # lengths past 16 share padded shapes (segment_bucket): 37 and 38 both run at 40
+    rng = np.random.default_rng(3)
+    enc, dec = [37, 38, 21, 5, 44, 19], [18, 17, 9, 3, 21, 2]
+    samples = {i: (rng.integers(1, 60, e), rng.integers(1, 60, d), rng.integers(1, 60, d),
+                   np.ones(d, np.float32)) for i, (e, d) in enumerate(zip(enc, dec))}
     padded = build_micro_batch(MicroBatch(tuple((i,) for i in range(6)), max(enc), max(dec)),
                                samples, "t5", 0)
     packed = build_micro_batch(MicroBatch((tuple(range(6)),), sum(enc), sum(dec)),
@@ -259,7 +261,8 @@ def test_t5_relative_bias_of_a_packed_stream_equals_padded_rows(world):
     # the stream's bias covers the longest sample, not the stream's length squared
     from megatron.model.stages import _relative, _self_mask
     relative = _relative(build_transformer_config(spec), spec, bidirectional=True)
-    assert _self_mask(packed["enc_segments"], relative).bias.shape[-2:] == (max(enc),) * 2
+    assert _self_mask(packed["enc_segments"], relative).bias.shape[-2:] == (
+        segment_bucket(max(enc)),) * 2
 
 
 @pytest.mark.parametrize("model", ["gpt", "t5"])

@@ -67,7 +67,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.model.attention import AttentionMask, sdpa_layer_spec
+from megatron.model.attention import AttentionMask, sdpa_layer_spec, segment_bucket
 
 from dynapipe_ext.model_spec import (
     DEC_EMBEDDING,
@@ -245,10 +245,11 @@ def _self_mask(segments, relative) -> AttentionMask:
     """Self-attention mask of `segments`, with the relative position bias when the stack has
     one (a fresh object then: the bias is part of this forward's graph), over positions from
     each sample's start: the padded length for right-padded rows, the longest sample for
-    packed ones (attention.SDPAttention takes each segment's block)."""
+    packed ones, rounded up to its group's padded shape (attention.segment_bucket;
+    attention.SDPAttention takes each group's block)."""
     if relative is None:
         return AttentionMask.of(segments)
-    n = (max(max(row) for row in segments.lengths if row) if segments.packed
+    n = (segment_bucket(max(max(row) for row in segments.lengths if row)) if segments.packed
          else segments.seq_len)
     return AttentionMask(segments, segments, bias=relative._compute_bias(n, n))
 
