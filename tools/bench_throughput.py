@@ -518,10 +518,10 @@ def worker_main(job_file: str) -> int:
     torch.set_num_threads(job["threads"])
     if job.get("device") == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if job["packing_algorithm"] == "best":    # before anything parses the job's flags
+        job["packing_algorithm"], job["packer_efficiency"] = best_packer(job)
     if job.get("cost_model") == "profile":
         ensure_profile(job)
-    if job["packing_algorithm"] == "best":
-        job["packing_algorithm"], job["packer_efficiency"] = best_packer(job)
     job["memory_gib"] = group_memory_gib(job)
     results = []
     for round_index, strategy in enumerate(job["strategies"] * job.get("rounds", 1)):
