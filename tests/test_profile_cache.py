@@ -251,7 +251,7 @@ def test_pretrain_profiles_on_first_run_and_reuses_on_the_second(tmp_path):
            str(data / "sp.model"), "--num-layers", "2", "--hidden-size", "32",
            "--num-attention-heads", "2", "--seq-length", "64", "--tokens-per-global-batch",
            "512", "--pipeline-model-parallel-size", "2", "--train-iters", "2",
-           "--distributed-timeout-minutes", "0.5", "--cost-model", "profile",
+           "--distributed-timeout-minutes", "3", "--cost-model", "profile",
            "--cost-model-cache-dir", str(tmp_path / "cache")]
     outs = []
     for _ in range(2):
