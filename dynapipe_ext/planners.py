@@ -804,8 +804,9 @@ def _enough_for_replicas(ctx: PlanningContext, mbs: list[MicroBatch]) -> list[Mi
     while len(mbs) < ctx.config.data_parallel:
         big = max(range(len(mbs)), key=lambda i: (len(mbs[i].sample_ids), -i))
         mb = mbs[big]
-        if mb.cost_shape is not None and len(mb.sample_ids) > 1:
-            # a packed stream: halve its samples (halves of a stream that fits memory fit too)
+        if mb.num_rows == 1 and len(mb.sample_ids) > 1:
+            # one packed row: halve its samples into two streams (halves of a row that fits
+            # memory fit too); micro-batches of several rows are halved by rows below
             mbs[big:big + 1] = ctx.packed_micro_batches(
                 np.array_split(np.array(mb.sample_ids), 2))
             continue

@@ -170,3 +170,15 @@ def test_gpu_analytic_model_has_a_host_floor_and_the_cpu_none():
     more = plan_micro_batches(lengths, config, AnalyticCostModel(
         GPT, device_flops=3e14, half_rate_tokens=512.0), "dynamic")
     assert len(fewer.micro_batches) < len(more.micro_batches)
+
+
+def test_packing_rows_stay_rows_when_halved_for_replicas():
+    """A packing micro-batch of several rows is split by rows to feed every replica (its rows
+    keep the packed length); only a single packed row is split into two streams."""
+    lengths = np.full(40, 100)                      # 4 rows of 1,000 tokens
+    config = gpt_config(max_seq_len=1000, pipeline_stages=1, data_parallel=2,
+                        micro_batch_size=8, packing_algorithm="nextfit")
+    plan = plan_micro_batches(lengths, config, AnalyticCostModel(GPT), "packing")
+    assert len(plan.micro_batches) == 2
+    assert all(mb.num_rows == 2 and mb.seq_len == 1000 for mb in plan.micro_batches)
+    assert sorted(plan.sample_ids()) == list(range(40))
