@@ -12,5 +12,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    from megatron.training.distributed_setup import end_process
+    from megatron.base.distributed_setup import end_process
     end_process(status)

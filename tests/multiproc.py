@@ -24,7 +24,7 @@ def single_process_world(seed: int):
     """This process as a world of one (TP=PP=1) for the duration of the block; the
     environment variables it sets are restored afterwards, so later subprocesses (which
     read MASTER_PORT / WORLD_SIZE) do not inherit a port this process still holds."""
-    from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
     names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",

@@ -7,8 +7,8 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import ModelSpec
 from megatron.model.attention import (
     AttentionMask,
     SDPAttention,

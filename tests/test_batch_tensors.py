@@ -3,7 +3,7 @@ O(rows x seq), never an S x S mask."""
 import numpy as np
 import pytest
 
-from dynapipe_ext.microbatch import MicroBatch
+from dynapipe_ext.batching.microbatch import MicroBatch
 from megatron.model.attention import Segments
 from megatron.model.batch_tensors import (
     build_micro_batch,

@@ -166,7 +166,7 @@ def test_a_parameter_gets_one_gradient_buffer_only():
 def overlap_worker(rank, world_size):
     """DP=2 over gloo: two micro-batches; returns (buckets launched before / during / after the
     last backward, the main grads after finish, this replica's unreduced grads)."""
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     from megatron.training.grad_buffer import GradBuffer
     from megatron.core import parallel_state
     setup_model_parallel(1, 1, seed=SEED, timeout_s=60)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import checkpointing as ckpt
 from megatron.training.arguments import parse_args
 from megatron.training.optimizer import TrainOptimizer, learning_rate
 
@@ -723,7 +723,7 @@ class StageLike(torch.nn.Sequential):
     """A module that carries a ModelSpec, as StageModule does (its vocabulary is recorded)."""
 
     def __init__(self, vocab, seed=0):
-        from dynapipe_ext.model_spec import ModelSpec
+        from dynapipe_ext.costs.model_spec import ModelSpec
         torch.manual_seed(seed)
         super().__init__(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
         self.spec = ModelSpec("gpt", 2, 8, 2, 4096, unpadded_vocab_size=vocab)

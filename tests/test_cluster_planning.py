@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from dynapipe_ext.cluster import (all_nodes, auto_num_workers, block_replicas, free_cores,
+from dynapipe_ext.plan.cluster import (all_nodes, auto_num_workers, block_replicas, free_cores,
                                   node_ranks, node_replicas, predicted_wait_share,
                                   ranks_per_node_from_env)
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
+from dynapipe_ext.plan.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                             plan_iteration)
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.planners import PlannerConfig
-from dynapipe_ext.replica_split import deal_samples
-from dynapipe_ext.serialization import plan_from_bytes
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.planners import PlannerConfig
+from dynapipe_ext.batching.replica_split import deal_samples
+from dynapipe_ext.plan.serialization import plan_from_bytes
 from multiproc import run_in_processes
 
 GPT = ModelSpec("gpt", 4, 64, 4, 256, max_position_embeddings=256)
@@ -133,8 +133,8 @@ def _two_nodes(rank, world_size, iterations, kill_after):
     """2 nodes x 2 ranks on a dp 2 x pp 2 grid: node n holds replica n. Real planner
     workers (one per node, no prefetch); node 1's worker is killed after iteration
     `kill_after`."""
-    from megatron.training.plan_delivery import start_plan_delivery
-    from dynapipe_ext.plan_ahead import PlanningFailed
+    from megatron.planning.plan_delivery import start_plan_delivery
+    from dynapipe_ext.runtime.plan_ahead import PlanningFailed
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     cfg = config(dp=2)
@@ -184,7 +184,7 @@ def test_nodes_plan_their_own_replicas_and_a_killed_planner_is_an_error_on_its_n
 
 
 def test_auto_workers_time_one_plan_and_report_the_choice_at_start():
-    from megatron.training.plan_delivery import start_plan_delivery
+    from megatron.planning.plan_delivery import start_plan_delivery
     lines = []
     with start_plan_delivery(config(dp=2), lengths_of, rank=0, world_size=1, dp_rank=0,
                              pp_rank=0, first_iteration=0, stop_iteration=2,
@@ -228,7 +228,7 @@ def test_the_scale_simulation_plans_and_delivers_with_the_real_code():
 
 
 def test_auto_replica_split_keeps_the_whole_batch_split_on_one_node_only(monkeypatch):
-    from dynapipe_ext.cluster import default_replica_split
+    from dynapipe_ext.plan.cluster import default_replica_split
     from megatron.training.arguments import parse_args
     from megatron.training.training import replica_split
     assert default_replica_split(8, 8) == "micro-batches"

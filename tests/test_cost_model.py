@@ -4,9 +4,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import (AnalyticCostModel, CostModel, cost_micro_batches,
+from dynapipe_ext.costs.cost_model import (AnalyticCostModel, CostModel, cost_micro_batches,
                                      memory_needed)
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec
 
 GPT = ModelSpec("gpt", num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=5000)
 T5 = ModelSpec("t5", num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=5000,
@@ -117,9 +117,9 @@ def test_cheapest_fitting_recompute_mode_is_chosen():
 def test_per_micro_batch_rule_is_no_bound_for_a_mix():
     """The counterexample of cost_model.memory_needed's docstring: two micro-batches that each
     need 10 of a limit of 10 peak at 15 together under 1F1B (the simulator is the truth)."""
-    from dynapipe_ext.cost_model import StageCostArrays
-    from dynapipe_ext.schedules import one_f_one_b
-    from dynapipe_ext.simulator import PipelineCosts, simulate
+    from dynapipe_ext.costs.cost_model import StageCostArrays
+    from dynapipe_ext.schedule.schedules import one_f_one_b
+    from dynapipe_ext.schedule.simulator import PipelineCosts, simulate
     kept = np.array([[5.0, 0.0], [5.0, 0.0]])          # [stage][micro-batch]: A keeps 5
     transient = np.array([[0.0, 10.0], [0.0, 10.0]])   # B's transient peak is 10
     zeros = np.zeros((2, 2))
@@ -180,8 +180,8 @@ def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
 
     import torch
 
-    from dynapipe_ext.cost_profile import profile_file_name, profile_key
-    from dynapipe_ext.model_spec import EMBEDDING, ENC_LAYER
+    from dynapipe_ext.costs.cost_profile import profile_file_name, profile_key
+    from dynapipe_ext.costs.model_spec import EMBEDDING, ENC_LAYER
     v11 = dataclasses.replace(T5, gated_linear_unit=True, add_bias_linear=False,
                               normalization="RMSNorm", position_embedding_type="relative")
     h, f = T5.hidden_size, T5.ffn_size
@@ -219,8 +219,8 @@ def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
 
 # ------------------------------------------------------------------ GPT half layers (pipeline_cut)
 
-from dynapipe_ext.cost_model import half_layer_shares                          # noqa: E402
-from dynapipe_ext.model_spec import (EMBEDDING, GPT_ATTENTION, GPT_LAYER,      # noqa: E402
+from dynapipe_ext.costs.cost_model import half_layer_shares                          # noqa: E402
+from dynapipe_ext.costs.model_spec import (EMBEDDING, GPT_ATTENTION, GPT_LAYER,      # noqa: E402
                                      GPT_MLP, HEAD, balanced_cut)
 
 HALF_OPTIONS = [dict(), dict(tp=2), dict(dropout=True, fused_attention=False),
@@ -399,7 +399,7 @@ def test_balanced_cut_is_the_best_of_all_cuts():
 
 
 def test_analytic_balanced_cut_gives_a_large_output_layer_fewer_half_layers():
-    from dynapipe_ext.cost_model import analytic_balanced_cut
+    from dynapipe_ext.costs.cost_model import analytic_balanced_cut
     small_vocab = ModelSpec("gpt", 8, 256, 4, 256)
     large_vocab = ModelSpec("gpt", 8, 256, 4, 65536)
     assert analytic_balanced_cut(small_vocab, 2, 256) == (8, 8)
@@ -415,7 +415,7 @@ def test_analytic_balanced_cut_gives_a_large_output_layer_fewer_half_layers():
 
 
 def test_token_weighted_length_is_the_sample_length_of_an_average_token():
-    from dynapipe_ext.model_spec import token_weighted_length
+    from dynapipe_ext.costs.model_spec import token_weighted_length
     assert token_weighted_length([2, 4], 100) == pytest.approx((4 + 16) / 6)
     assert token_weighted_length([2, 4], 3) == pytest.approx((4 + 9) / 5)     # cut at max_len
     assert token_weighted_length([[1, 1], [3, 1]], 100) == pytest.approx((4 + 16) / 6)  # T5 parts

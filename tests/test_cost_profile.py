@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_profile import (FIELDS, PROFILE_VERSION, CostProfile, LayerTable,
+from dynapipe_ext.costs.cost_profile import (FIELDS, PROFILE_VERSION, CostProfile, LayerTable,
                                        ProfiledCostModel, ProfileError, find_profile,
                                        layer_axes, load_profile, profile_file_name,
                                        profile_key, profile_kinds, save_profile)
-from dynapipe_ext.cost_model import half_layer_shares
-from dynapipe_ext.model_spec import (DEC_LAYER, EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP,
+from dynapipe_ext.costs.cost_model import half_layer_shares
+from dynapipe_ext.costs.model_spec import (DEC_LAYER, EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP,
                                      HEAD, ModelSpec)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -318,7 +318,7 @@ def test_a_stage_of_half_layers_alone():
 
 
 def test_the_runs_spec_must_match_the_profile_but_for_tying_and_the_cut(tmp_path):
-    from dynapipe_ext.iteration_planner import CostModelSource, build_cost_model
+    from dynapipe_ext.plan.iteration_planner import CostModelSource, build_cost_model
     spec = ModelSpec("gpt", 4, 64, 4, 100)
     profile = synthetic_profile(spec)
     run = dataclasses.replace(spec, pipeline_cut=(5, 3), tied_embeddings=True)

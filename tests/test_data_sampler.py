@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dynapipe_ext.packing import pack_pairs, pack_sequences
+from dynapipe_ext.batching.packing import pack_pairs, pack_sequences
 from megatron.data.sampler import STREAM_BLOCK, GlobalBatchSampler, PackingWindow, mixing_rates
 
 

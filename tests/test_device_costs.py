@@ -5,9 +5,10 @@ import inspect
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import memory_needed
-from dynapipe_ext.iteration_planner import build_cost_model, plan_iteration
-from megatron.training import device_costs, distributed_setup
+from dynapipe_ext.costs.cost_model import memory_needed
+from dynapipe_ext.plan.iteration_planner import build_cost_model, plan_iteration
+from megatron.planning import device_costs
+from megatron.base import distributed_setup
 from megatron.training.arguments import parse_args
 from megatron.training.training import model_spec, planner_config
 
@@ -167,7 +168,7 @@ def test_a_profile_cost_model_gets_the_usable_memory_and_state_bytes(tmp_path):
 
 def _warm_up_rank(rank, world_size, tp, pp):
     """Set-up (which warms up) and one more warm-up exchange; also the GPU suite's NCCL check."""
-    from megatron.training.distributed_setup import (pipeline_p2p_groups, setup_model_parallel,
+    from megatron.base.distributed_setup import (pipeline_p2p_groups, setup_model_parallel,
                                                      warm_up_pipeline_transfers)
     layout = setup_model_parallel(tp, pp)           # runs the warm-up once
     again = warm_up_pipeline_transfers(pipeline_p2p_groups(), layout.device)
@@ -195,8 +196,8 @@ def expected_warm_up(pp_rank: int, pp: int) -> dict:
 
 
 def _link_rank(rank, world_size):
-    from megatron.training.device_costs import measure_link
-    from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
+    from megatron.planning.device_costs import measure_link
+    from megatron.base.distributed_setup import pipeline_p2p_groups, setup_model_parallel
     layout = setup_model_parallel(1, world_size)
     return layout.pp_rank, measure_link(pipeline_p2p_groups(), layout.device, rounds=4,
                                         large_bytes=2**20)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron.training.distributed_setup import rendezvous_url
+from megatron.base.distributed_setup import rendezvous_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -40,7 +40,7 @@ def test_defaults_do_not_touch_the_environment(monkeypatch):
 
 CHILD = """
 import os, torch, torch.distributed as dist
-from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
 layout = setup_model_parallel(1, 1, seed=1, timeout_s=30)
 t = torch.ones(2)
 dist.all_reduce(t)
@@ -76,7 +76,7 @@ def test_in_process_world_picks_a_free_port_and_leaves_no_trace():
 END_SCRIPT = """
 import atexit, sys
 import torch.distributed as dist
-from megatron.training.distributed_setup import end_process, setup_model_parallel
+from megatron.base.distributed_setup import end_process, setup_model_parallel
 
 class Finalized:
     def __del__(self):

@@ -5,11 +5,11 @@ import itertools
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import AnalyticCostModel, cost_micro_batches
-from dynapipe_ext.dp_split import makespan_objective, optimal_split
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.ordering import length_order, t5_order
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
+from dynapipe_ext.costs.cost_model import AnalyticCostModel, cost_micro_batches
+from dynapipe_ext.batching.dp_split import makespan_objective, optimal_split
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.ordering import length_order, t5_order
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches
 
 
 def all_splits(n):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec
 from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
-from megatron.model.rng import CpuRNGStatesTracker, rank_seed, seed_model_parallel
+from megatron.base.rng import CpuRNGStatesTracker, rank_seed, seed_model_parallel
 from megatron.model.stages import build_rank_stages, build_transformer_config, run_stage_forward
 from multiproc import run_in_processes, single_process_world
 
@@ -38,7 +38,7 @@ def run_model(spec, hidden=0.0, attention=0.0, recompute="none", tp=1, reseed=Tr
     """One forward and backward of a fixed batch through the whole model (TP=`tp`, PP=1),
     the streams reseeded first (as setup_model_parallel does) unless `reseed` is False.
     Returns the loss, the stage module and the hidden state entering the final norm."""
-    from megatron.training.distributed_setup import seed_everything
+    from megatron.base.distributed_setup import seed_everything
     if reseed:
         seed_everything(SEED, on_gpu=False)
     samples = samples_of(spec.model)
@@ -95,7 +95,7 @@ def test_recompute_replays_the_same_dropout_masks(world, spec):
 
 def test_the_trainer_builds_its_layers_with_the_flags(world):
     from megatron.training.arguments import parse_args
-    from megatron.training.distributed_setup import current_layout
+    from megatron.base.distributed_setup import current_layout
     from megatron.training.training import build_stages, model_spec
     cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                              "4", "--train-iters", "1", "--data-path", "x", "--hidden-dropout",
@@ -145,7 +145,7 @@ def test_tracker_fork_draws_from_its_stream_and_leaves_the_default_one():
 def test_checkpoint_round_trip_restores_the_dropout_streams():
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megatron.training.checkpointing import capture_rng_state, restore_rng_state
+    from megatron.checkpoint.checkpointing import capture_rng_state, restore_rng_state
     seed_model_parallel(SEED, 0, 0, on_cuda=False)
     saved = capture_rng_state()
     assert sorted(saved["tracker"]) == sorted(get_cuda_rng_tracker().get_states())
@@ -166,8 +166,8 @@ def tp_worker(rank, world_size):
     hidden state entering the final norm and this rank's model-parallel stream."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megatron.training.distributed_setup import setup_model_parallel
-    from megatron.training.reference import gather_full_grads
+    from megatron.base.distributed_setup import setup_model_parallel
+    from reference_model import gather_full_grads
     setup_model_parallel(2, 1, seed=SEED, timeout_s=60)
     loss, stage, _ = run_model(GPT, hidden=0.3, tp=2)
     grads = gather_full_grads({0: stage})
@@ -177,7 +177,7 @@ def tp_worker(rank, world_size):
 
 
 def tp1_reference(rank, world_size):
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     setup_model_parallel(1, 1, seed=SEED, timeout_s=60)
     loss, grads = loss_and_grads(GPT, hidden=0.3)
     return loss, {n: g.numpy() for n, g in grads.items()}
@@ -204,7 +204,7 @@ def test_tensor_parallel_dropout_streams():
 def test_the_planner_counts_dropout_memory():
     """Dropout masks are kept activations; attention dropout on CPU runs unfused (s^2 kept)."""
     from megatron.training.arguments import parse_args
-    from megatron.training.device_costs import dropout_options
+    from megatron.planning.device_costs import dropout_options
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--train-iters", "1", "--data-path", "x"]
     default = parse_args("gpt", base, has_cuda=False)
@@ -222,7 +222,7 @@ def seeds_worker(rank, world_size):
     """PP=2 x DP=2: this rank's (pp rank, dp rank, default generator, model-parallel stream)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     layout = setup_model_parallel(1, 2, seed=SEED, timeout_s=60)
     return (layout.pp_rank, layout.dp_rank, torch.get_rng_state().numpy(),
             get_cuda_rng_tracker().get_states()[MODEL_RNG].numpy())

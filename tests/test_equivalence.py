@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.cost_model import AnalyticCostModel
-from dynapipe_ext.executor import Executor
-from dynapipe_ext.lowering import lower
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
-from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b, one_f_one_b, wave
+from dynapipe_ext.costs.cost_model import AnalyticCostModel
+from dynapipe_ext.runtime.executor import Executor
+from dynapipe_ext.plan.lowering import lower
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches
+from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b, one_f_one_b, wave
 from multiproc import run_in_processes, single_process_world
 
 SEED = 17
@@ -141,11 +141,11 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import (build_rank_stages, build_transformer_config,
                                        tied_embedding_group)
-    from megatron.training.distributed_setup import pipeline_p2p_groups
+    from megatron.base.distributed_setup import pipeline_p2p_groups
     from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
     from megatron.training.handlers import (all_reduce_data_parallel_grads, global_mean_loss,
                                             make_handlers)
-    from megatron.training.reference import gather_full_grads
+    from reference_model import gather_full_grads
 
     spec = spec or SPECS[model]
     num_stages = pipeline_schedule(schedule_name, 1, pp).num_stages
@@ -178,7 +178,7 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=
 def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
     """Runs the (model, style) `cases` (default: all) of one layout; rank 0 returns the
     results."""
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
     models = ("gpt",) if layout_name in CUTS else tuple(SPECS)
     styles = ("dynamic",) if layout_name in DYNAMIC_ONLY else STYLES
@@ -198,7 +198,7 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
 @pytest.fixture(scope="module")
 def references():
     """Single-process reference loss and grads per model (computed once, in this process)."""
-    from megatron.training.reference import reference_loss_and_grads
+    from reference_model import reference_loss_and_grads
     torch.set_num_threads(1)
     with single_process_world(seed=SEED):
         found = {model: reference_loss_and_grads(SPECS[model], global_batch(model),
@@ -297,7 +297,7 @@ def dead_peer_worker(rank, world_size):
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import (build_rank_stages, build_transformer_config,
                                        tied_embedding_group)
-    from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
+    from megatron.base.distributed_setup import pipeline_p2p_groups, setup_model_parallel
     from megatron.training.handlers import make_handlers
     layout = setup_model_parallel(1, 2, seed=SEED, timeout_s=20)
     if rank == 1:
@@ -331,7 +331,7 @@ def p2p_route_worker(rank, world_size):
     """Which group each side of a transfer uses: returns [(peer, send, group index)]."""
     import torch.distributed as dist
 
-    from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
+    from megatron.base.distributed_setup import pipeline_p2p_groups, setup_model_parallel
     from megatron.training.handlers import PipelineRuntime
     setup_model_parallel(1, 2, seed=SEED, timeout_s=30)
     groups = pipeline_p2p_groups()
@@ -355,7 +355,7 @@ def test_wave_and_interleaved_cases_run_varied_micro_batches_on_their_layouts(la
     """What the slow equivalence cases of the wave (W=2) and interleaved layouts run: several
     dynamic micro-batches of different shapes, on 8 / 4 stages laid out as Hanayo's waves /
     Megatron's interleaving, with T5 on the wave layout as 4 + 4 whole layers."""
-    from dynapipe_ext.schedule_ir import interleaved_layout, wave_layout
+    from dynapipe_ext.schedule.schedule_ir import interleaved_layout, wave_layout
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
     expected = wave_layout(2, 2) if layout_name == "pp2_hanayo2" else interleaved_layout(2, 2)
     for model in SPECS:

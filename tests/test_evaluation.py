@@ -9,16 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from dynapipe_ext.instructions import (Backward, Forward, FreeBuffer, RecvActivationFinish,
+from dynapipe_ext.plan.instructions import (Backward, Forward, FreeBuffer, RecvActivationFinish,
                                        RecvGradStart, SendGradStart)
-from dynapipe_ext.iteration_planner import plan_iteration
-from dynapipe_ext.lowering import lower
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.plan_checker import PlanError, check_plans
-from dynapipe_ext.schedule_ir import ScheduleError, forward_only, validate_schedule
-from dynapipe_ext.schedules import one_f_one_b
-from dynapipe_ext.serialization import plan_from_bytes
-from dynapipe_ext.simulator import PipelineCosts, simulate
+from dynapipe_ext.plan.iteration_planner import plan_iteration
+from dynapipe_ext.plan.lowering import lower
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.plan.plan_checker import PlanError, check_plans
+from dynapipe_ext.schedule.schedule_ir import ScheduleError, forward_only, validate_schedule
+from dynapipe_ext.schedule.schedules import one_f_one_b
+from dynapipe_ext.plan.serialization import plan_from_bytes
+from dynapipe_ext.schedule.simulator import PipelineCosts, simulate
 from megatron.data.split import parse_split, split_counts, split_indices
 from megatron.training.arguments import parse_args
 from megatron.training.evaluation import grouped_losses, task_families, token_tasks
@@ -252,7 +252,7 @@ def _reference(rank, world_size, model, argv):
     from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import build_rank_stages, build_transformer_config
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     from megatron.training.training import model_spec, open_training_data
     cfg = parse_args(model, argv, has_cuda=False)
     setup_model_parallel(1, 1, cfg.seed)

@@ -6,16 +6,16 @@ import threading
 import numpy as np
 import pytest
 
-from dynapipe_ext.executor import INSTRUCTION_TYPES, Executor, InstructionError
-from dynapipe_ext.instructions import (Backward, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.runtime.executor import INSTRUCTION_TYPES, Executor, InstructionError
+from dynapipe_ext.plan.instructions import (Backward, Forward, FreeBuffer, LoadInput,
                                        RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                        RecvGradStart, SendActivationFinish, SendActivationStart,
                                        SendGradFinish, SendGradStart)
-from dynapipe_ext.lowering import lower
-from dynapipe_ext.model_spec import DEC_EMBEDDING, EMBEDDING, HEAD, stage_output_shapes
-from dynapipe_ext.plan_checker import check_plans
-from dynapipe_ext.schedule_ir import interleaved_layout, wave_layout
-from dynapipe_ext.serialization import plan_from_bytes, plan_to_bytes
+from dynapipe_ext.plan.lowering import lower
+from dynapipe_ext.costs.model_spec import DEC_EMBEDDING, EMBEDDING, HEAD, stage_output_shapes
+from dynapipe_ext.plan.plan_checker import check_plans
+from dynapipe_ext.schedule.schedule_ir import interleaved_layout, wave_layout
+from dynapipe_ext.plan.serialization import plan_from_bytes, plan_to_bytes
 from test_lowering import gpt_spec, micro_batches, one_f_one_b, random_schedule, t5_spec
 
 HIDDEN = 16
@@ -288,7 +288,7 @@ def test_lowered_plans_reproduce_direct_gradients(model, layout_name, num_ranks,
 
 @pytest.mark.parametrize("kind", ["1f1b", "adaptive", "wave", "interleaved", "hanayo"])
 def test_planner_schedules_run_end_to_end(kind):
-    from dynapipe_ext.lowering import action_ms_from_costs
+    from dynapipe_ext.plan.lowering import action_ms_from_costs
     from test_lowering import real_schedule
     rng = random.Random(7)
     mbs = micro_batches(6, rng)
@@ -371,7 +371,7 @@ def test_a_rank_waiting_for_a_dead_peer_times_out_with_a_clear_error():
 
 def test_recorded_times_become_a_chrome_trace_with_every_compute():
     import json
-    from dynapipe_ext.trace import chrome_trace, events_from_records
+    from dynapipe_ext.plan.trace import chrome_trace, events_from_records
     mbs = micro_batches(3, random.Random(2))
     spec = gpt_spec(2)
     plans = lower(one_f_one_b(2, 3), mbs, spec)
@@ -416,9 +416,9 @@ def _runtime_case(model, num_stages, pp_rank=0):
     """Stages of `pp_rank` for a 2-micro-batch plan in one process, and the plan's pieces."""
     import torch
 
-    from dynapipe_ext.microbatch import MicroBatch
-    from dynapipe_ext.model_spec import ModelSpec
-    from dynapipe_ext.schedules import one_f_one_b as schedule_1f1b
+    from dynapipe_ext.batching.microbatch import MicroBatch
+    from dynapipe_ext.costs.model_spec import ModelSpec
+    from dynapipe_ext.schedule.schedules import one_f_one_b as schedule_1f1b
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import build_rank_stages, build_transformer_config
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.model.full_state import assemble
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import checkpointing as ckpt
 from tests.multiproc import run_in_processes
 from tests.test_flextp_integration import LAYOUT, MODEL, _train
 from tests.test_training import sp_dataset  # noqa: F401

@@ -69,7 +69,7 @@ def test_gpu_launcher_without_cuda_says_so_in_one_line_and_fails(script):
 
 def loss_and_grads(spec, samples, dtype: str, device) -> tuple[float, dict]:
     """The whole batch as one unsplit micro-batch through the uncut model in `dtype` on
-    `device` (megatron/training/reference.py's reference, placed on a GPU)."""
+    `device` (reference_model.py's reference, placed on a GPU)."""
     from megatron.model.batch_tensors import (build_micro_batch, count_loss_tokens,
                                               unsplit_micro_batch)
     from megatron.model.init_weights import initialize_stage_weights
@@ -109,7 +109,7 @@ def one_gpu_worker(rank, world_size, model, dtype="bfloat16"):
     """(fp32 reference, one `dtype` step) of the whole batch on this process's device."""
     from test_equivalence import SPECS, global_batch
 
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     layout = setup_model_parallel(1, 1, seed=SEED)
     return tuple(loss_and_grads(SPECS[model], global_batch(model), d, layout.device)
                  for d in ("float32", dtype))
@@ -129,15 +129,15 @@ def pipeline_gpu_worker(rank, world_size, model, dtype="bfloat16"):
     micro-batches as a 1F1B pipeline over 2 GPUs with NCCL transfers."""
     from test_equivalence import SPECS, global_batch, plan_replica
 
-    from dynapipe_ext.executor import Executor
-    from dynapipe_ext.lowering import lower
-    from dynapipe_ext.schedules import one_f_one_b
+    from dynapipe_ext.runtime.executor import Executor
+    from dynapipe_ext.plan.lowering import lower
+    from dynapipe_ext.schedule.schedules import one_f_one_b
     from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
     from megatron.model.init_weights import initialize_stage_weights
     from megatron.model.stages import build_rank_stages, build_transformer_config
-    from megatron.training.distributed_setup import pipeline_p2p_groups, setup_model_parallel
+    from megatron.base.distributed_setup import pipeline_p2p_groups, setup_model_parallel
     from megatron.training.handlers import global_mean_loss, make_handlers
-    from megatron.training.reference import gather_full_grads
+    from reference_model import gather_full_grads
     spec = SPECS[model]
     layout = setup_model_parallel(1, 1, seed=SEED)
     reference = loss_and_grads(spec, global_batch(model), "float32", layout.device)
@@ -182,7 +182,7 @@ RUNS = {
 def predicted_rank0_peak(model: str, argv: list, world: int, iterations: int) -> float:
     """Model states of pipeline rank 0 plus the largest activation peak the chosen schedule's
     simulation gives rank 0 over the run's iterations, re-planned as the run planned them."""
-    from dynapipe_ext.iteration_planner import (build_cost_model, search_memory_limit,
+    from dynapipe_ext.plan.iteration_planner import (build_cost_model, search_memory_limit,
                                                 split_that_runs)
     from megatron.training.arguments import parse_args
     from megatron.training.training import model_spec, open_training_data, planner_config
@@ -202,7 +202,7 @@ def predicted_rank0_peak(model: str, argv: list, world: int, iterations: int) ->
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_short_training_run_with_the_device_cost_model(model, sp_dataset, tmp_path,
                                                        monkeypatch):
-    from megatron.training.device_costs import device_figures
+    from megatron.planning.device_costs import device_figures
     from megatron.training.arguments import parse_args
     monkeypatch.setenv("DYNAPIPE_DEVICE", "cuda")
     world = 2 if GPUS >= 2 else 1
@@ -256,7 +256,7 @@ def test_nccl_warm_up_exchanges_with_every_neighbouring_pipeline_rank():
 @pytest.mark.gpu
 @needs_gpu
 def test_device_probe_and_calibration_on_the_gpu(monkeypatch):
-    from megatron.training import device_costs
+    from megatron.planning import device_costs
     from megatron.training.arguments import parse_args
     monkeypatch.setenv("DYNAPIPE_DEVICE", "cuda")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -301,10 +301,10 @@ def test_flextp_slot_timer_uses_cuda_events_without_synchronising(monkeypatch):
 
 def unit_times_worker(rank, world_size):
     """--pipeline-split balanced's measurement on this GPU, bf16 with the fusions on."""
-    from dynapipe_ext.model_spec import ModelSpec
-    from megatron.model.profile_layers import half_layer_unit_times
+    from dynapipe_ext.costs.model_spec import ModelSpec
+    from megatron.planning.profile_layers import half_layer_unit_times
     from megatron.model.stages import build_transformer_config
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     layout = setup_model_parallel(1, 1, seed=SEED)
     spec = ModelSpec("gpt", 2, 512, 8, 32000, max_position_embeddings=1024)
     config = build_transformer_config(spec, dtype="bfloat16", fused=True)

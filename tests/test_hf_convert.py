@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.model.hf_convert import (ConversionError, ModelArgs, fit_vocab, qkv_from_hf,
+from megatron.checkpoint.hf_convert import (ConversionError, ModelArgs, fit_vocab, qkv_from_hf,
                                        qkv_to_hf, read_converted, read_hf)
 from multiproc import run_in_processes, single_process_world
 from tests.test_training import sp_dataset  # noqa: F401 - a fixture
@@ -122,7 +122,7 @@ def parallel_logits_worker(rank, world_size, converted_dir, tokens):
     from megatron.model.full_state import load_full_state
     from megatron.model.stages import build_rank_stages, build_transformer_config, \
         stage_parameters
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     full, args = read_converted(converted_dir)
     layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
     spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
@@ -218,7 +218,7 @@ def test_converted_gpt2_finetunes_at_pp2_from_its_weights(tmp_path, sp_dataset):
     they still equal the import), and the saved run exports back to transformers."""
     import json
 
-    from megatron.training.checkpointing import read_full_model_state
+    from megatron.checkpoint.checkpointing import read_full_model_state
     from tests.test_training import REPO, env_with_repo
     from tests.multiproc import free_port
     random_gpt2(tmp_path / "hf", 2, 32, 2, 1000, 128)
@@ -351,7 +351,7 @@ def test_padded_vocabulary_rows_leave_the_loss_and_logits_tp1(tmp_path):
 
 
 def padded_loss_worker(rank, world_size, hf_dir, samples):
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     torch.set_num_threads(1)
     full, args = read_hf(hf_dir)
     setup_model_parallel(2, 1, seed=3, timeout_s=120)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.model.hf_convert import (ConversionError, pack_per_head, read_converted,
+from megatron.checkpoint.hf_convert import (ConversionError, pack_per_head, read_converted,
                                        read_hf, unpack_per_head)
 from multiproc import run_in_processes, single_process_world
 from test_hf_convert import TOLERANCE, assert_close_logits, convert
@@ -123,11 +123,11 @@ def parallel_t5_logits_worker(rank, world_size, converted_dir, enc, dec):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from dynapipe_ext.model_spec import stage_output_shapes
+    from dynapipe_ext.costs.model_spec import stage_output_shapes
     from megatron.model.full_state import load_full_state
     from megatron.model.stages import build_rank_stages, build_transformer_config, \
         stage_parameters
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     full, args = read_converted(converted_dir)
     layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
     spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
@@ -203,7 +203,7 @@ def test_t5_v11_options_train_at_pp2_and_keep_replicated_copies_equal(sp_dataset
     table (and of the input embedding, used by the decoder on stage 1); the loss falls and
     the saved copies are still equal (their gradients were summed over the pipeline; without
     that sum this test fails: the copies drift apart)."""
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import checkpointing as ckpt
     from test_training import TINY_MODEL, torchrun
     args = sp_dataset + TINY_MODEL + T5_V11_FLAGS + [
         "--pipeline-model-parallel-size", "2", "--num-layers", "3", "--decoder-num-layers", "1",
@@ -230,7 +230,7 @@ def test_converted_t5_v11_finetunes_at_pp2_from_its_weights(sp_dataset, tmp_path
     """An imported T5 v1.1 is a layout-free checkpoint: pretrain_t5.py with the flags the
     converter prints, `--load DIR --finetune` at PP=2, starts from the imported weights (after
     one step at a negligible LR every saved tensor still equals the import)."""
-    from megatron.training.checkpointing import read_full_model_state
+    from megatron.checkpoint.checkpointing import read_full_model_state
     from test_training import torchrun
     random_t5(tmp_path / "hf", 2, 2, 32, 2, 16, 64, 1000, 8, 32)
     printed = convert(tmp_path / "hf", tmp_path / "ours")
@@ -449,7 +449,7 @@ def test_a_t5_import_loaded_with_other_layer_flags_is_refused(tmp_path):
     --softmax-scale 1.0, or with another --relative-attention-max-distance, a T5 import
     trained silently at another loss): a run that differs is told the flag and both values;
     one with the printed flags matches."""
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import checkpointing as ckpt
     from megatron.training.arguments import parse_args
     random_t5(tmp_path / "hf", *T5_CONFIGS[0])
     printed = convert(tmp_path / "hf", tmp_path / "ours")

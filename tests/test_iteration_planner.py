@@ -5,18 +5,18 @@ import pickle
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import CostModel, StageCostArrays
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
+from dynapipe_ext.costs.cost_model import CostModel, StageCostArrays
+from dynapipe_ext.plan.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                             choose_auto_layout, iteration_plan_fn,
                                             pipeline_layout, plan_iteration,
                                             schedule_candidates, split_that_runs)
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
-from dynapipe_ext.plan_checker import check_plans
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
-from dynapipe_ext.schedule_ir import interleaved_layout, linear_layout, wave_layout
-from dynapipe_ext.schedules import MemoryLimitError
-from dynapipe_ext.serialization import plan_from_bytes
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.runtime.plan_ahead import PlanAhead, PlanningFailed
+from dynapipe_ext.plan.plan_checker import check_plans
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches
+from dynapipe_ext.schedule.schedule_ir import interleaved_layout, linear_layout, wave_layout
+from dynapipe_ext.schedule.schedules import MemoryLimitError
+from dynapipe_ext.plan.serialization import plan_from_bytes
 
 GPT = ModelSpec("gpt", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=512)
 T5 = ModelSpec("t5", num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=512,

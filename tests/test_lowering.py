@@ -4,18 +4,18 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynapipe_ext.instructions import (Backward, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, Forward, FreeBuffer, LoadInput,
                                        RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                        RecvGradStart, SendActivationFinish, SendActivationStart,
                                        SendGradFinish, SendGradStart)
-from dynapipe_ext.lowering import (action_ms_from_costs, costs_of_durations, lower,
+from dynapipe_ext.plan.lowering import (action_ms_from_costs, costs_of_durations, lower,
                                   transfer_order_times)
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.plan_checker import check_plans
-from dynapipe_ext.schedule_ir import (BACKWARD, FORWARD, Action, Schedule, interleaved_layout,
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.plan.plan_checker import check_plans
+from dynapipe_ext.schedule.schedule_ir import (BACKWARD, FORWARD, Action, Schedule, interleaved_layout,
                                       linear_layout, wave_layout)
-from dynapipe_ext.simulator import CommModel, simulate
+from dynapipe_ext.schedule.simulator import CommModel, simulate
 
 STARTS = (SendActivationStart, RecvActivationStart, SendGradStart, RecvGradStart)
 FINISHES = (SendActivationFinish, RecvActivationFinish, SendGradFinish, RecvGradFinish)
@@ -23,7 +23,7 @@ SEND_STARTS = (SendActivationStart, SendGradStart)
 RECV_STARTS = (RecvActivationStart, RecvGradStart)
 
 
-# ---- schedules built by hand (independent of dynapipe_ext.schedules) ----
+# ---- schedules built by hand (independent of dynapipe_ext.schedule.schedules) ----
 
 def one_f_one_b(num_ranks: int, num_mbs: int) -> Schedule:
     """Textbook 1F1B on a linear layout: P-1-r warm-up forwards, then alternate."""
@@ -299,7 +299,7 @@ def test_a_given_simulation_orders_transfers_like_its_durations():
     """lower(timing=simulate(...)) equals lower(action_ms=...) for the same durations, and a
     simulation of another order of the actions is refused."""
     import numpy as np
-    from dynapipe_ext.simulator import PipelineCosts
+    from dynapipe_ext.schedule.simulator import PipelineCosts
     rng = random.Random(13)
     sched = random_schedule(interleaved_layout(3, 2), 6, rng)
     mbs = micro_batches(6, rng)
@@ -345,13 +345,13 @@ def test_random_schedules_lower_to_plans_the_checker_accepts(num_ranks, num_mbs,
     assert sends == recvs
 
 
-# ---- the project's schedules (dynapipe_ext.schedules) ----
+# ---- the project's schedules (dynapipe_ext.schedule.schedules) ----
 
 def real_schedule(kind: str, num_ranks: int, mbs, rng: random.Random):
     """(schedule, costs) of one of the planner's schedules over costs drawn from `mbs`."""
     import numpy as np
-    from dynapipe_ext import schedules
-    from dynapipe_ext.simulator import PipelineCosts
+    from dynapipe_ext.schedule import schedules
+    from dynapipe_ext.schedule.simulator import PipelineCosts
     num_stages = num_ranks * {"1f1b": 1, "interleaved": 2, "adaptive": 1, "wave": 2,
                               "hanayo": 4}[kind]
     base = np.array([[mb.time_ms * rng.uniform(0.8, 1.2) for _ in range(num_stages)]
@@ -385,7 +385,7 @@ def test_planner_schedules_lower_to_plans_the_checker_accepts(kind, num_ranks, n
 
 def test_lowering_and_checking_64_micro_batches_on_8_stages_is_fast():
     import time
-    from dynapipe_ext import schedules
+    from dynapipe_ext.schedule import schedules
     rng = random.Random(11)
     mbs = micro_batches(64, rng)
     sched = schedules.one_f_one_b(64, 8)

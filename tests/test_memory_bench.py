@@ -1,10 +1,10 @@
-"""Predicted vs measured activation memory (megatron/training/memory_bench.py,
+"""Predicted vs measured activation memory (megatron/planning/memory_bench.py,
 tools/bench_memory.py): the measurement follows the plan, and the cost model is close to it."""
 import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec
 from multiproc import single_process_world
 
 torch.set_num_threads(1)
@@ -13,7 +13,7 @@ GPT = ModelSpec("gpt", 4, 128, 4, 512, max_position_embeddings=256)
 
 @pytest.fixture(scope="module")
 def gpt_rows():
-    from megatron.training.memory_bench import predicted_vs_measured
+    from megatron.planning.memory_bench import predicted_vs_measured
     lengths = np.random.default_rng(3).integers(16, 257, size=24)
     with single_process_world(seed=1):
         return {mode: predicted_vs_measured(GPT, lengths, 256, 0, mode)
@@ -52,7 +52,7 @@ def gelu_memory(fn, tokens: int, ffn: int) -> tuple[int, int]:
     """(bytes autograd saves, peak bytes above the start) of one forward + backward of `fn`
     on a [tokens, ffn] fp32 input, read as profile_layers reads them (saved-tensor hooks;
     glibc bytes in use after every aten op)."""
-    from megatron.model.profile_layers import (_PeakAfterEachOp, _SavedTensorCounter,
+    from megatron.planning.profile_layers import (_PeakAfterEachOp, _SavedTensorCounter,
                                                cpu_bytes_in_use)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, ffn, generator=gen).requires_grad_()
@@ -68,7 +68,7 @@ def test_the_cpu_gelu_keeps_its_input_and_the_model_counts_its_backward_temporar
     """stages.gelu_tanh on CPU fp32 (x * sigmoid(2z)) saves what torch's kernel saves (its
     input) but its backward holds two more [tokens, ffn] tensors: the cost model's
     `sigmoid_gelu` term is that difference."""
-    from dynapipe_ext.cost_model import AnalyticCostModel
+    from dynapipe_ext.costs.cost_model import AnalyticCostModel
     from megatron.model.stages import gelu_tanh
     spec = ModelSpec("gpt", 1, 128, 4, 64, max_position_embeddings=256)
     rows, seq, ffn = 2, 256, spec.ffn_size
@@ -89,9 +89,9 @@ def test_one_layer_kept_and_transient_bytes_match_the_model_on_cpu_fp32():
     """One GPT layer through the trainer's path: bytes saved for backward (hooks) and the
     transient peak above them (glibc, every op) against the analytic model's per-layer kept
     and transient bytes, with the sigmoid GeLU counted."""
-    from dynapipe_ext.cost_model import AnalyticCostModel
-    from dynapipe_ext.model_spec import GPT_LAYER
-    from megatron.model.profile_layers import ProfiledLayer, make_inputs, measure_layer
+    from dynapipe_ext.costs.cost_model import AnalyticCostModel
+    from dynapipe_ext.costs.model_spec import GPT_LAYER
+    from megatron.planning.profile_layers import ProfiledLayer, make_inputs, measure_layer
     from megatron.model.stages import build_transformer_config
     spec = ModelSpec("gpt", 1, 128, 4, 64, max_position_embeddings=256)
     rows, seq = 2, 256

@@ -1,10 +1,10 @@
-"""Model FLOPs of real tokens and of what a micro-batch computes (dynapipe_ext/model_flops.py),
+"""Model FLOPs of real tokens and of what a micro-batch computes (dynapipe_ext/batching/model_flops.py),
 checked against the formulas written out by hand."""
 import pytest
 
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_flops import computed_flops, real_flops
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.batching.model_flops import computed_flops, real_flops
+from dynapipe_ext.costs.model_spec import ModelSpec
 
 GPT = ModelSpec(model="gpt", num_layers=2, hidden_size=64, num_attention_heads=4,
                 vocab_size=512)

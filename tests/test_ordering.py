@@ -6,11 +6,11 @@ import itertools
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import AnalyticCostModel
-from dynapipe_ext.dp_split import makespan_objective
-from dynapipe_ext.ordering import (T5_ORDERS, cluster_tsp_order, groups_order, open_tour,
+from dynapipe_ext.costs.cost_model import AnalyticCostModel
+from dynapipe_ext.batching.dp_split import makespan_objective
+from dynapipe_ext.batching.ordering import (T5_ORDERS, cluster_tsp_order, groups_order, open_tour,
                                    refine_groups, t5_order)
-from dynapipe_ext.planners import (PlannerConfig, PlanningContext, SegmentTable,
+from dynapipe_ext.batching.planners import (PlannerConfig, PlanningContext, SegmentTable,
                                    _segment_time_fn, memory_limit_of, plan_micro_batches)
 from tools.bench_planner import DEVICE, T5_SPEC, multitask_t5_batch
 

@@ -6,11 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import AnalyticCostModel, memory_needed
-from dynapipe_ext.dp_split import makespan_objective
-from dynapipe_ext.microbatch import packed_cost_shape, padding_efficiency
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches, plan_metrics
+from dynapipe_ext.costs.cost_model import AnalyticCostModel, memory_needed
+from dynapipe_ext.batching.dp_split import makespan_objective
+from dynapipe_ext.batching.microbatch import packed_cost_shape, padding_efficiency
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches, plan_metrics
 
 GPT = ModelSpec("gpt", num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1000)
 T5 = ModelSpec("t5", num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1000,
@@ -157,7 +157,7 @@ def test_host_floor_prices_a_micro_batch_at_max_of_host_and_device():
 
 
 def test_gpu_analytic_model_has_a_host_floor_and_the_cpu_none():
-    from megatron.training import device_costs
+    from megatron.planning import device_costs
     gpu = AnalyticCostModel(GPT, **device_costs.analytic_device_options("cuda"))
     cpu = AnalyticCostModel(GPT, **device_costs.analytic_device_options("cpu"))
     assert min(gpu.host_ms_per_layer) >= 1.0 and cpu.host_ms_per_layer == (0.0, 0.0)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynapipe_ext.packing import (ALGORITHMS, HISTOGRAM_ALGORITHMS, count_next_fit_rows,
+from dynapipe_ext.batching.packing import (ALGORITHMS, HISTOGRAM_ALGORITHMS, count_next_fit_rows,
                                   histogram_of, next_fit_order, pack_histogram, pack_pairs,
                                   pack_sequences, rows_efficiency)
 

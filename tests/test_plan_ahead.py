@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from dynapipe_ext.plan_ahead import (PlanAhead, PlanningFailed, PlanningTimeout,
+from dynapipe_ext.runtime.plan_ahead import (PlanAhead, PlanningFailed, PlanningTimeout,
                                      default_num_workers)
 
 
@@ -45,7 +45,7 @@ def niceness_plan(iteration: int, lengths) -> int:
 
 
 def test_workers_plan_at_a_lower_cpu_priority_than_the_trainer():
-    from dynapipe_ext.plan_ahead import PLANNER_NICE
+    from dynapipe_ext.runtime.plan_ahead import PLANNER_NICE
     with PlanAhead(niceness_plan, lengths_of, num_workers=1, prefetch=1).start(0) as planner:
         worker_nice = planner.get(0).value
     assert worker_nice == min(19, os.nice(0) + PLANNER_NICE)

@@ -5,12 +5,12 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynapipe_ext.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction,
                                        LoadInput, RecvActivationFinish, RecvActivationStart,
                                        RecvGradFinish, SendActivationStart)
-from dynapipe_ext.lowering import lower
-from dynapipe_ext.plan_checker import PlanError, check_plans
-from dynapipe_ext.schedule_ir import wave_layout
+from dynapipe_ext.plan.lowering import lower
+from dynapipe_ext.plan.plan_checker import PlanError, check_plans
+from dynapipe_ext.schedule.schedule_ir import wave_layout
 from test_lowering import gpt_spec, micro_batches, one_f_one_b, random_schedule
 
 

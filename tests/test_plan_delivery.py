@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
-from megatron.training.plan_delivery import (PlanDelivery, PlanDeliveryError,
+from dynapipe_ext.runtime.plan_ahead import PlanAhead, PlanningFailed
+from megatron.planning.plan_delivery import (PlanDelivery, PlanDeliveryError,
                                              PlanDeliveryTimeout, start_plan_delivery)
 from multiproc import run_in_processes
 
@@ -48,7 +48,7 @@ def expected_bytes(iteration, d, p):
 
 def small_planner_config(model: str = "gpt"):
     """A real planner configuration: 4 layers on PP=2, dynamic micro-batches."""
-    from dynapipe_ext.model_spec import ModelSpec
+    from dynapipe_ext.costs.model_spec import ModelSpec
     from megatron.training.arguments import parse_args
     from megatron.training.training import planner_config
     argv = ["--data-path", "data/flan", "--num-layers", "4", "--hidden-size", "64",
@@ -80,7 +80,7 @@ def test_a_leader_needs_a_planner_and_several_ranks_need_a_plan_group():
 
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_training_flags_become_a_planner_config_that_plans(model):
-    from dynapipe_ext.iteration_planner import pipeline_layout
+    from dynapipe_ext.plan.iteration_planner import pipeline_layout
     config = small_planner_config(model)
     assert (config.pp, config.dp) == (2, 1)
     assert pipeline_layout(config) == (0, 1)
@@ -116,7 +116,7 @@ def plan_corrupting(pair, at_iteration, plan_fn, iteration, lengths):
 
 
 def test_a_corrupted_plan_is_refused_not_run():
-    from dynapipe_ext.iteration_planner import iteration_plan_fn
+    from dynapipe_ext.plan.iteration_planner import iteration_plan_fn
     plan_fn = functools.partial(plan_corrupting, (0, 0), 1,
                                 iteration_plan_fn(small_planner_config()))
     planner = PlanAhead(plan_fn, gpt_lengths, num_workers=0)
@@ -211,7 +211,7 @@ def test_a_stalled_reader_or_leader_is_a_timeout_naming_rank_and_iteration():
 
 def _corrupt_then_dead_leader(rank, world_size):
     """Iteration 1's plan of rank 1 is corrupted on the way; then the leader dies."""
-    from dynapipe_ext.iteration_planner import iteration_plan_fn
+    from dynapipe_ext.plan.iteration_planner import iteration_plan_fn
     init_world()
     planner = None
     if rank == 0:
@@ -284,8 +284,8 @@ def _attacked_rank(rank, world_size, sync_dir, iterations):
     """Real plans on PP=2 (ranks 1 and 2: two TP ranks of pp 1). Half-way, with the leader's
     plan of that iteration sent and not yet received, every rank waits while another process
     attacks; then each rank checks every plan it got against the planner's own."""
-    from dynapipe_ext.iteration_planner import iteration_plan_fn
-    from dynapipe_ext.serialization import plan_from_bytes
+    from dynapipe_ext.plan.iteration_planner import iteration_plan_fn
+    from dynapipe_ext.plan.serialization import plan_from_bytes
     init_world()
     before = listening_sockets(os.getpid())
     config = small_planner_config()
@@ -317,7 +317,7 @@ def _attacked_rank(rank, world_size, sync_dir, iterations):
 
 def attack(sync_dir, world_size, found: dict) -> None:
     """Another process on the machine goes for the plans of a running world."""
-    from dynapipe_ext.serialization import MAGIC
+    from dynapipe_ext.plan.serialization import MAGIC
     deadline = time.monotonic() + 120
     while len([n for n in os.listdir(sync_dir) if n.startswith("rank")]) < world_size:
         if time.monotonic() > deadline:

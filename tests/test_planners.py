@@ -3,13 +3,13 @@ replicas evenly and fails loudly on bad input."""
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_model import AnalyticCostModel, cost_micro_batches, memory_needed
-from dynapipe_ext.microbatch import BatchPlan, MicroBatch, padding_efficiency
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.planners import (STRATEGIES, PlannerConfig, PlanningError, attention_efficiency,
+from dynapipe_ext.costs.cost_model import AnalyticCostModel, cost_micro_batches, memory_needed
+from dynapipe_ext.batching.microbatch import BatchPlan, MicroBatch, padding_efficiency
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.planners import (STRATEGIES, PlannerConfig, PlanningError, attention_efficiency,
                                    plan_metrics, plan_micro_batches, predicted_iteration_ms)
-from dynapipe_ext.ordering import T5_ORDERS
-from dynapipe_ext.replica_split import balanced_partition
+from dynapipe_ext.batching.ordering import T5_ORDERS
+from dynapipe_ext.batching.replica_split import balanced_partition
 
 GPT = ModelSpec("gpt", num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1000)
 T5 = ModelSpec("t5", num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1000,

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_profile import (LayerTable, ProfiledCostModel, auto_grid,
+from dynapipe_ext.costs.cost_profile import (LayerTable, ProfiledCostModel, auto_grid,
                                        cached_profile, fill_rows_by_scaling, load_profile,
                                        profile_covers)
-from dynapipe_ext.model_spec import ENC_LAYER, GPT_LAYER
-from megatron.training import device_costs
+from dynapipe_ext.costs.model_spec import ENC_LAYER, GPT_LAYER
+from megatron.planning import device_costs
 from megatron.training.arguments import parse_args
 from megatron.training.training import model_spec
 from tests.multiproc import free_port, run_in_processes, single_process_world
@@ -60,7 +60,7 @@ def test_rows_left_out_are_filled_by_scaling_and_rows_above_the_grid_scale():
     fields = ("fwd_ms", "bwd_ms", "activation_bytes", "shared_bytes", "peak_bytes")
     table = LayerTable(("rows", "seq_len"), (rows, np.array([16.0, 64.0])),
                        {f: filled for f in fields})
-    from dynapipe_ext.cost_profile import CostProfile, profile_key
+    from dynapipe_ext.costs.cost_profile import CostProfile, profile_key
     profile = CostProfile(profile_key(spec, 1, "dev", "float32"),
                           {k: 1 for k in ("embedding", GPT_LAYER, "head")},
                           {k: 4 for k in ("embedding", GPT_LAYER, "head")},
@@ -132,7 +132,7 @@ def test_first_run_profiles_second_reuses_corrupt_file_is_profiled_again(tmp_pat
                     f"{profile.meta['created']} in {profile.meta['seconds']} s)"]
     assert path.read_bytes() == first_bytes
     # the planner reads it: a source built from the flags costs a shape
-    from dynapipe_ext.iteration_planner import build_cost_model
+    from dynapipe_ext.plan.iteration_planner import build_cost_model
     model = build_cost_model(device_costs.cost_model_source(cfg, 1, spec=spec), spec, 1, 1)
     assert model.stage_costs(3, 50, 0, 1) is not None
     assert model.stage_costs(500, 7, 0, 1) is not None          # rows above, length below
@@ -189,7 +189,7 @@ def test_t5_profile_has_every_layer_kind(tmp_path):
 
 def _ensure(rank, world_size, cache_dir, tp, pp, bad_dir):
     import torch
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     cfg = run_config(cache_dir, "--tensor-model-parallel-size", str(tp),
                      "--pipeline-model-parallel-size", str(pp), "--num-layers", "2")
     spec = spec_of(cfg)

@@ -41,9 +41,9 @@ def test_profile_window_must_not_be_empty(capsys):
 def test_cost_profile_layers_are_in_the_model_dtype():
     """The profiled layers run in the model dtype as the stages do (megatron-core would leave
     position embeddings and local-spec norms fp32, which CUDA's bf16 kernels refuse)."""
-    from megatron.model.profile_layers import EMBEDDING, GPT_LAYER, ProfiledLayer
+    from megatron.planning.profile_layers import EMBEDDING, GPT_LAYER, ProfiledLayer
     from megatron.model.stages import ModelSpec, build_transformer_config
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     setup_model_parallel(1, 1, seed=1)
     spec = ModelSpec("gpt", 1, 64, 4, 128, max_position_embeddings=64)
     config = build_transformer_config(spec, dtype="bfloat16")

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from dynapipe_ext.cost_profile import (FIELDS, CostProfile, LayerTable, layer_axes,
+from dynapipe_ext.costs.cost_profile import (FIELDS, CostProfile, LayerTable, layer_axes,
                                        profile_key, profile_kinds)
-from dynapipe_ext.model_spec import GPT_LAYER, HEAD, ModelSpec
+from dynapipe_ext.costs.model_spec import GPT_LAYER, HEAD, ModelSpec
 from tools.project_paper_scale import (FittedLawCostModel, fit_cost_laws, fit_nonnegative,
                                        law_features, project)
 
@@ -95,7 +95,7 @@ def test_fitted_cost_model_scales_to_a_larger_model_and_projection_runs():
 
 
 def test_fitted_projection_from_profile_files_renders_its_labelled_table(tmp_path):
-    from dynapipe_ext.cost_profile import save_profile
+    from dynapipe_ext.costs.cost_profile import save_profile
     from tools.bench_throughput import cpu_fit_section
     from tools.project_paper_scale import project_fitted
     paths = []

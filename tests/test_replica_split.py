@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dynapipe_ext.replica_split import (balanced_partition, exact_partition, imbalance,
+from dynapipe_ext.batching.replica_split import (balanced_partition, exact_partition, imbalance,
                                         kk_partition, local_search, lpt_partition,
                                         replica_makespans)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import checkpointing as ckpt
 from tests.multiproc import free_port
 from tests.test_training import REPO, env_with_repo, sp_dataset  # noqa: F401
 

@@ -8,18 +8,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynapipe_ext.cost_model import AnalyticCostModel
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.schedule_ir import (Action, interleaved_layout, linear_layout, stages_of_rank,
+from dynapipe_ext.costs.cost_model import AnalyticCostModel
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.schedule.schedule_ir import (Action, interleaved_layout, linear_layout, stages_of_rank,
                                       wave_layout)
-from dynapipe_ext.schedule_search import (costs_from_micro_batches, evaluate_candidates,
+from dynapipe_ext.schedule.schedule_search import (costs_from_micro_batches, evaluate_candidates,
                                           micro_batch_costs, search_schedule)
-from dynapipe_ext.schedules import (MemoryLimitError, adaptive, adaptive_search, candidate_orders,
+from dynapipe_ext.schedule.schedules import (MemoryLimitError, adaptive, adaptive_search, candidate_orders,
                                     cost_clusters, greedy_order, hanayo, hanayo_warmups,
                                     interleaved_one_f_one_b, one_f_one_b, relabel, wave,
                                     wave_search)
-from dynapipe_ext.simulator import CommModel, PipelineCosts, simulate, uniform_costs
+from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts, simulate, uniform_costs
 
 
 def assert_complete(schedule):
@@ -230,7 +230,7 @@ def test_costs_from_micro_batches_asks_the_cost_model():
 def test_transfer_time_changes_the_picked_schedule():
     """Four micro-batches on two ranks: with free transfers the wave (less bubble) wins; when
     each cross-rank transfer costs 20 ms, its two crossings per micro-batch lose to 1F1B's one."""
-    from dynapipe_ext.simulator import CommModel, PipelineCosts
+    from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts
 
     def costs(num_stages):
         fwd = np.full((4, num_stages), 8.0 / num_stages)
@@ -249,10 +249,10 @@ def test_transfer_time_changes_the_picked_schedule():
 def test_planner_config_comm_reaches_the_simulation_that_picks_the_schedule():
     from dataclasses import replace
 
-    from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,
+    from dynapipe_ext.plan.iteration_planner import (CostModelSource, IterationPlannerConfig,
                                                 plan_iteration)
-    from dynapipe_ext.planners import PlannerConfig
-    from dynapipe_ext.simulator import CommModel
+    from dynapipe_ext.batching.planners import PlannerConfig
+    from dynapipe_ext.schedule.simulator import CommModel
     spec = ModelSpec("gpt", num_layers=4, hidden_size=128, num_attention_heads=4,
                      vocab_size=512)
     planner = PlannerConfig(model="gpt", max_seq_len=256, pipeline_stages=2, data_parallel=1)

@@ -8,11 +8,11 @@ import zlib
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynapipe_ext.instructions import ExecutionPlan, Forward
-from dynapipe_ext.lowering import lower
-from dynapipe_ext.serialization import (FORMAT_VERSION, MAGIC, PlanFormatError, plan_from_bytes,
+from dynapipe_ext.plan.instructions import ExecutionPlan, Forward
+from dynapipe_ext.plan.lowering import lower
+from dynapipe_ext.plan.serialization import (FORMAT_VERSION, MAGIC, PlanFormatError, plan_from_bytes,
                                         plan_to_bytes, plans_to_bytes)
-from dynapipe_ext.schedule_ir import wave_layout
+from dynapipe_ext.schedule.schedule_ir import wave_layout
 from test_lowering import gpt_spec, micro_batches, one_f_one_b, random_schedule, t5_spec
 
 

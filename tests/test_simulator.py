@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from dynapipe_ext.schedule_ir import (Action, Schedule, ScheduleError, linear_layout, parse_action,
+from dynapipe_ext.schedule.schedule_ir import (Action, Schedule, ScheduleError, linear_layout, parse_action,
                                       validate_schedule, wave_layout)
-from dynapipe_ext.schedules import one_f_one_b
-from dynapipe_ext.simulator import (CommModel, PipelineCosts, simulate, transfer_matrix,
+from dynapipe_ext.schedule.schedules import one_f_one_b
+from dynapipe_ext.schedule.simulator import (CommModel, PipelineCosts, simulate, transfer_matrix,
                                     uniform_costs)
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dynapipe_ext.plan_checker import PlanError
+from dynapipe_ext.plan.plan_checker import PlanError
 from dynapipe_ext.spindle.allocator import allocate, allocate_lanes, relaxed_common_time
 from dynapipe_ext.spindle.checker import check_wave_plan
 from dynapipe_ext.spindle.configs import CONFIGS, FULL_RECOMPUTE, simulated_estimator

@@ -21,7 +21,7 @@ def _iteration_matches_reference(rank, world_size):
     from megatron.spindle.mt_model import (TinyMTConfig, build_components, describe,
                                            loss_normaliser, reference_step, task_data)
     from megatron.spindle.runtime import WaveRuntime
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     setup_model_parallel(1, 1, seed=SEED)
     cfg = TinyMTConfig()
     data = task_data(cfg, SEED)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.microbatch import MicroBatch
-from dynapipe_ext.model_spec import GPT_ATTENTION, ModelSpec
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import GPT_ATTENTION, ModelSpec
 from megatron.model.batch_tensors import build_micro_batch, unsplit_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import TIED_EMBEDDING, build_rank_stages, build_transformer_config
-from megatron.training.distributed_setup import check_parallel_sizes
+from megatron.base.distributed_setup import check_parallel_sizes
 from multiproc import single_process_world
 
 GPT = ModelSpec("gpt", 4, 32, 4, 64, max_position_embeddings=64)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from dynapipe_ext.instructions import (Backward, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, Forward, FreeBuffer, LoadInput,
                                        RecvActivationFinish, RecvActivationStart,
                                        SendGradFinish)
 from megatron.training.step_timing import PARTS, StepClock, add_parts, host_share, shares_line

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens, \
     unsplit_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
@@ -143,8 +143,8 @@ def test_untie_flag(tmp_path):
 def test_cost_model_counts_a_tied_matrix_once_per_stage():
     import dataclasses
 
-    from dynapipe_ext.cost_model import AnalyticCostModel
-    from dynapipe_ext.cost_profile import profile_key
+    from dynapipe_ext.costs.cost_model import AnalyticCostModel
+    from dynapipe_ext.costs.cost_profile import profile_key
     tied = dataclasses.replace(GPT, tied_embeddings=True)
     vocab_bytes = GPT.vocab_size * GPT.hidden_size / 2 * 16
     untied_one = AnalyticCostModel(GPT, tp=2).model_state_bytes(1)

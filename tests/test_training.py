@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dynapipe_ext.microbatch import MicroBatch
+from dynapipe_ext.batching.microbatch import MicroBatch
 from megatron.training.arguments import parse_args
 from megatron.training.optimizer import (TrainOptimizer, clip_by_norm, counts_toward_norm,
                                          global_grad_norm, learning_rate)
@@ -388,9 +388,9 @@ def test_a_dead_rank_makes_the_other_exit_with_an_error(sp_dataset, tmp_path):
 
 # ---------------------------------------------------------------------------- setup faults
 
-from dynapipe_ext.instructions import ExecutionPlan
+from dynapipe_ext.plan.instructions import ExecutionPlan
 from megatron.training.arguments import ConfigError
-from megatron.training.distributed_setup import ParallelLayout
+from megatron.base.distributed_setup import ParallelLayout
 from megatron.training.training import (RunSetupError, agree_or_raise, build_run,
                                         plan_problems)
 

@@ -49,7 +49,7 @@ def load_builder(path: str | None):
 
 def tensor_cases(seed: int = 0):
     """(name, model, MicroBatch, samples) of the measured micro-batches."""
-    from dynapipe_ext.microbatch import MicroBatch
+    from dynapipe_ext.batching.microbatch import MicroBatch
     rng = np.random.default_rng(seed)
 
     def gpt(n):
@@ -122,10 +122,10 @@ def bench_attention(lengths, repeats: int) -> list[dict]:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from dynapipe_ext.model_spec import ModelSpec
+    from dynapipe_ext.costs.model_spec import ModelSpec
     from megatron.model.attention import AttentionMask, SDPAttention, Segments
     from megatron.model.stages import build_transformer_config
-    from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
     from tools.profile_cost_model import free_port
     torch.set_num_threads(1)
     spec = ModelSpec("gpt", 1, HEADS * HEAD_DIM, HEADS, 1024, max_position_embeddings=8192)

@@ -4,7 +4,7 @@ projection to paper-scale clusters. Writes the "Planning at cluster scale" secti
 docs/BENCHMARKS.md and a JSON file.
 
 1. Simulation (real code): for 1, 2 and 4 "nodes" of --ranks-per-node gloo ranks each, the
-   trainer's plan delivery (megatron/training/plan_delivery.start_plan_delivery, per-node
+   trainer's plan delivery (megatron/planning/plan_delivery.start_plan_delivery, per-node
    plan groups, planner worker processes on each node's leader) plans the iterations of a
    --dp-replica x --pp-stage layout (paper GPT hidden 4096, 32 layers, TP 2, max length 4096,
    FLAN-like lengths, replica_split "samples"); node n plans replicas n*DP/N .. and its ranks
@@ -44,10 +44,10 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dynapipe_ext.cluster import block_replicas, predicted_wait_share  # noqa: E402
-from dynapipe_ext.iteration_planner import (CostModelSource, IterationPlannerConfig,  # noqa: E402
+from dynapipe_ext.plan.cluster import block_replicas, predicted_wait_share  # noqa: E402
+from dynapipe_ext.plan.iteration_planner import (CostModelSource, IterationPlannerConfig,  # noqa: E402
                                             plan_iteration)
-from dynapipe_ext.planners import PlannerConfig  # noqa: E402
+from dynapipe_ext.batching.planners import PlannerConfig  # noqa: E402
 from tools.bench_planner import DEVICE, global_batch, machine  # noqa: E402
 from tools.doc_sections import write_section  # noqa: E402
 from tools.project_paper_scale import PAPER_GPT  # noqa: E402
@@ -92,7 +92,7 @@ def _sim_rank(rank: int, world: int, port: int, nodes: int, tokens: int, dp: int
     try:
         import torch
         import torch.distributed as dist
-        from megatron.training.plan_delivery import start_plan_delivery
+        from megatron.planning.plan_delivery import start_plan_delivery
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
         per_node = world // nodes

@@ -1,6 +1,6 @@
 """Predicted (analytic cost model + schedule simulator) vs measured peak activation memory per
 pipeline rank for real plans on this CPU: GPT and T5, several maximum lengths, each recompute
-mode, 1F1B over 2 ranks (megatron/training/memory_bench.py says how each side is obtained).
+mode, 1F1B over 2 ranks (megatron/planning/memory_bench.py says how each side is obtained).
 
     python tools/bench_memory.py [--max-lens 256 512 1024] [--output docs/memory_validation.json]
 
@@ -38,7 +38,7 @@ def flan_like_lengths(model: str, max_len: int, tokens: int, seed: int = 0) -> n
 
 
 def model_spec(model: str, max_len: int):
-    from dynapipe_ext.model_spec import ModelSpec
+    from dynapipe_ext.costs.model_spec import ModelSpec
     if model == "gpt":
         return ModelSpec("gpt", 4, 256, 4, 1024, max_position_embeddings=max_len)
     return ModelSpec("t5", 2, 256, 4, 1024, num_decoder_layers=2, max_position_embeddings=max_len)
@@ -46,7 +46,7 @@ def model_spec(model: str, max_len: int):
 
 def measure(max_lens, models=("gpt", "t5"), modes=MODES, log=print) -> list[dict]:
     """One row per (model, max length, recompute mode, rank)."""
-    from megatron.training.memory_bench import predicted_vs_measured
+    from megatron.planning.memory_bench import predicted_vs_measured
     rows = []
     for model in models:
         for max_len in max_lens:
@@ -88,7 +88,7 @@ batch of 8 x max-length tokens, every micro-batch in the recompute mode of the r
 and T5 2+2 layers, hidden 256, 4 heads, vocabulary 1024). Predicted: the analytic cost model's
 kept and transient bytes played through the schedule simulator. Measured: that rank's forwards
 and backwards replayed in the schedule's order through the real stage modules, glibc bytes in
-use after every aten op above the start (megatron/training/memory_bench.py). `*`: outside the
+use after every aten op above the start (megatron/planning/memory_bench.py). `*`: outside the
 15% target.
 
 {table}
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     import torch
     from doc_sections import write_section
 
-    from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
     torch.set_num_threads(1)
     if "WORLD_SIZE" not in os.environ:          # a world of one process on a free local port
         with socket.socket() as sock:

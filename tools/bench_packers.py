@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dynapipe_ext.packing import pack_pairs, pack_sequences  # noqa: E402
+from dynapipe_ext.batching.packing import pack_pairs, pack_sequences  # noqa: E402
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow  # noqa: E402
 from tools.doc_sections import write_section  # noqa: E402
 
@@ -127,7 +127,7 @@ def markdown(result: dict, command: str) -> str:
         f"{budgets[0]:,} tokens take whole rows, and the planner's next-fit rebuilds them "
         "(megatron/data/sampler.py). `nextfit` windowed is next-fit over the stream, whose "
         "rows the batches then take whole. T5 `spfhp` / `lpfhp` / `nnlshp` are the pair "
-        "packers (dynapipe_ext/packing.py `pack_pairs`). Windowed batches hold whole rows, so "
+        "packers (dynapipe_ext/batching/packing.py `pack_pairs`). Windowed batches hold whole rows, so "
         "where a row holds more than half a batch's tokens (T5 at 4096: rows of up to 5,120 "
         "tokens) a batch holds one row and carries fewer tokens than a batch packed alone. On "
         "small batches (8,192 tokens, a few rows) the 2-D pair packers gain little over "

@@ -75,7 +75,7 @@ def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[d
 def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], list[str]]:
     """The planner's simulated makespan and chosen schedule of each iteration, planned as the
     run planned it (same flags, same data, 2 local ranks)."""
-    from dynapipe_ext.iteration_planner import choose_auto_layout, plan_iteration
+    from dynapipe_ext.plan.iteration_planner import choose_auto_layout, plan_iteration
     from megatron.training.arguments import parse_args
     from megatron.training.training import (given_cut, model_spec, open_training_data,
                                             planner_config)

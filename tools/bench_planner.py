@@ -38,10 +38,10 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dynapipe_ext.cost_model import AnalyticCostModel  # noqa: E402
+from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
 from tools.doc_sections import write_section  # noqa: E402
-from dynapipe_ext.model_spec import ModelSpec  # noqa: E402
-from dynapipe_ext.planners import (PlannerConfig, effective_lengths,  # noqa: E402
+from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
+from dynapipe_ext.batching.planners import (PlannerConfig, effective_lengths,  # noqa: E402
                                    plan_metrics, plan_micro_batches)
 
 STRATEGY_ORDER = ("padding", "token-budget", "packing", "dynamic")
@@ -456,7 +456,7 @@ def ordering_markdown(rows: list[dict]) -> str:
 def replica_rows(seeds: int) -> list[dict]:
     """Replica imbalance (slowest / mean predicted replica makespan) of dynamic plans for
     data-parallel 2, 4 and 8: the earlier LPT-on-sums split against replica_split's."""
-    from dynapipe_ext.replica_split import imbalance, lpt_partition
+    from dynapipe_ext.batching.replica_split import imbalance, lpt_partition
     rows = []
     t5_cost = AnalyticCostModel(T5_SPEC, max_seq_len=2048, max_dec_seq_len=512, **DEVICE)
     gpt_cost = AnalyticCostModel(GPT_SPEC, max_seq_len=2048, **DEVICE)
@@ -516,7 +516,7 @@ def packing_rows() -> list[dict]:
     """Pack counts of the histogram packers on Krell et al.'s public Wikipedia and SQuAD
     length histograms at depths 3 and 16 (the reference SPFHP's counts are pinned in
     tests/test_packing.py). NNLSHP's system at depth 16 is too big to solve: packs None."""
-    from dynapipe_ext.packing import pack_histogram
+    from dynapipe_ext.batching.packing import pack_histogram
     from tools.pack_histogram import load_histogram, reference_histograms_path
     histograms = reference_histograms_path()
     if histograms is None:

@@ -31,17 +31,17 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynapipe_ext.cost_model import AnalyticCostModel  # noqa: E402
+from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
 from tools.doc_sections import write_section  # noqa: E402
-from dynapipe_ext.lowering import lower  # noqa: E402
-from dynapipe_ext.model_spec import ModelSpec  # noqa: E402
-from dynapipe_ext.plan_checker import check_plans  # noqa: E402
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches  # noqa: E402
-from dynapipe_ext.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
+from dynapipe_ext.plan.lowering import lower  # noqa: E402
+from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
+from dynapipe_ext.plan.plan_checker import check_plans  # noqa: E402
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches  # noqa: E402
+from dynapipe_ext.schedule.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
                                           micro_batch_costs, search_schedule)
-from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
-from dynapipe_ext.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
-from dynapipe_ext.simulator import CommModel, PipelineCosts  # noqa: E402
+from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
+from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
+from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts  # noqa: E402
 from tools.bench_planner import flan_like_lengths, machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

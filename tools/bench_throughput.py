@@ -98,7 +98,7 @@ def train_flags(job: dict, strategy: str) -> list[str]:
 def cost_model_options(job: dict) -> dict:
     """AnalyticCostModel settings of the run's device: throughput and activation memory per
     rank (the planners' memory limit for every strategy alike)."""
-    from megatron.training.device_costs import analytic_device_options
+    from megatron.planning.device_costs import analytic_device_options
     return {"device_flops": float(job["device_flops"]),
             "device_mem_bytes": float(job["memory_gib"]) * 2**30,
             "dtype_bytes": 2 if job.get("bf16") else 4,
@@ -116,7 +116,7 @@ def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | 
     "packing" (dense block-diagonal mask) is costed as dense rows, the rest as they run."""
     from dataclasses import replace
 
-    from dynapipe_ext.iteration_planner import CostModelSource
+    from dynapipe_ext.plan.iteration_planner import CostModelSource
     from megatron.training.training import planner_config
     plan_cfg = planner_config(cfg, spec, dp)
     source = plan_cfg.cost_model
@@ -137,8 +137,8 @@ def tune_micro_batch_size(plan_cfg, batches: list, limit: int = 64) -> tuple[int
     same search DynaPipe's authors ran for their baselines). None for other strategies."""
     from dataclasses import replace
 
-    from dynapipe_ext.iteration_planner import plan_iteration
-    from dynapipe_ext.planners import PlanningError
+    from dynapipe_ext.plan.iteration_planner import plan_iteration
+    from dynapipe_ext.batching.planners import PlanningError
     if plan_cfg.micro_batching not in ("padding", "packing"):
         return None, {}
     predicted = {}
@@ -267,7 +267,7 @@ def build_bench_run(cfg, job: dict, micro_batch_size: int | None, strategy: str)
 class PlanRecorder:
     """Wraps a run's PlanDelivery.fetch to keep what each delivered plan says: planning time
     (leader), wait time, micro-batch shapes, schedule and recompute modes, and the model FLOPs
-    of its real tokens and of what its micro-batches compute (dynapipe_ext.model_flops)."""
+    of its real tokens and of what its micro-batches compute (dynapipe_ext.batching.model_flops)."""
 
     def __init__(self, run, packed_attention: str = "segments"):
         self.run = run
@@ -294,7 +294,7 @@ class PlanRecorder:
     def count_flops(self) -> None:
         """Model FLOPs of each record's real tokens (the whole global batch) and of what this
         replica's micro-batches compute; done once the timed iterations are over."""
-        from dynapipe_ext.model_flops import computed_flops, real_flops
+        from dynapipe_ext.batching.model_flops import computed_flops, real_flops
         for record in self.records:
             micro_batches, lengths = record.pop("plan")
             record["real_flops"] = real_flops(self.run.spec, lengths)
@@ -437,7 +437,7 @@ def best_packer(job: dict) -> tuple[str, dict]:
     deterministic, so every rank picks the same."""
     import numpy as np
 
-    from dynapipe_ext.packing import ALGORITHMS, pack_pairs, pack_sequences
+    from dynapipe_ext.batching.packing import ALGORITHMS, pack_pairs, pack_sequences
     from megatron.training.arguments import parse_args
     from megatron.training.training import open_training_data
     cfg = parse_args(job["model"], train_flags(dict(job, packing_algorithm="nextfit"),
@@ -469,8 +469,8 @@ def group_memory_gib(job: dict, most_doublings: int = 3) -> float:
     """The activation memory per rank for every strategy of this (model, max length): the
     asked one, doubled until one packed row of the max length fits (packing cannot run
     otherwise). Deterministic, so every rank arrives at the same figure."""
-    from dynapipe_ext.iteration_planner import plan_iteration
-    from dynapipe_ext.planners import PlanningError
+    from dynapipe_ext.plan.iteration_planner import plan_iteration
+    from dynapipe_ext.batching.planners import PlanningError
     from megatron.training.arguments import parse_args
     from megatron.training.training import model_spec, open_training_data
     cfg = parse_args(job["model"], train_flags(job, "packing"))
@@ -492,9 +492,9 @@ def group_memory_gib(job: dict, most_doublings: int = 3) -> float:
 def ensure_profile(job: dict) -> None:
     """--cost-model profile: make (or find) the run's profile before anything plans with it
     (every rank calls this; see device_costs.ensure_cost_profile)."""
-    from megatron.training import device_costs
+    from megatron.planning import device_costs
     from megatron.training.arguments import parse_args
-    from megatron.training.distributed_setup import setup_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel
     from megatron.training.training import model_spec, open_training_data
     cfg = parse_args(job["model"], train_flags(job, "dynamic"))
     spec = model_spec(cfg, open_training_data(cfg, int(os.environ.get("RANK", "0"))).vocab_size)
@@ -889,7 +889,7 @@ def report_markdown(result: dict, plots: dict) -> str:
         "pad eff = real / padded tokens (T5 encoder/decoder); micro-batches, plan ms (planner "
         "worker time per iteration), plan wait ms (time train_step waited for its plan), "
         "s/iter: medians; peak MiB/rank: peak resident memory (CPU) or allocated (GPU), max "
-        "over ranks; MFU: model FLOPs of the real tokens (dynapipe_ext/model_flops.py) / "
+        "over ranks; MFU: model FLOPs of the real tokens (dynapipe_ext/batching/model_flops.py) / "
         "(ranks x wall time x the one-thread sgemm rate measured before each group"
         f"{sgemm_note(rows)}).",
         "",
@@ -1261,6 +1261,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     status = main()
     if sys.argv[1:2] == ["worker"]:     # a torchrun rank: see end_process
-        from megatron.training.distributed_setup import end_process
+        from megatron.base.distributed_setup import end_process
         end_process(status)
     sys.exit(status)

@@ -75,7 +75,7 @@ def synthetic_micro_batch(model: str, rows: int, seq: int, dec: int, vocab: int,
     """Tensors of a micro-batch of `rows` full rows (the trainer's own batch builder)."""
     import numpy as np
 
-    from dynapipe_ext.microbatch import MicroBatch
+    from dynapipe_ext.batching.microbatch import MicroBatch
     from megatron.model.batch_tensors import build_micro_batch
     rng = np.random.default_rng(seed)
     ints = lambda n: rng.integers(1, vocab, n)   # noqa: E731
@@ -92,12 +92,12 @@ def main(argv=None) -> dict:
     cfg, args = parse(argv)
     import torch
 
-    from dynapipe_ext.iteration_planner import build_cost_model
+    from dynapipe_ext.plan.iteration_planner import build_cost_model
     from megatron.model.init_weights import initialize_stage_weights
-    from megatron.model.profile_layers import device_name, time_stage
+    from megatron.planning.profile_layers import device_name, time_stage
     from megatron.model.stages import build_rank_stages, build_transformer_config
-    from megatron.training import device_costs
-    from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from megatron.planning import device_costs
+    from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
     from megatron.training.training import model_spec
     from tools.profile_cost_model import free_port
 

@@ -1,6 +1,6 @@
 """Convert Hugging Face GPT-2 and T5 v1.1 / FLAN-T5 checkpoints to this project's model state
 and back
-(megatron/model/hf_convert.py does the mapping).
+(megatron/checkpoint/hf_convert.py does the mapping).
 
     # import: a save_pretrained directory on disk -> a directory that training loads
     python tools/convert_checkpoint.py --from-hf /models/gpt2 --to /ckpt/gpt2-import \\
@@ -29,11 +29,11 @@ warnings.filterwarnings(
     "ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from megatron.model.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
+from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
                                        read_hf, read_source_config, write_converted,
                                        write_hf)
 from megatron.training.arguments import VOCAB_MULTIPLE  # noqa: E402
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpoint.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dynapipe_ext.packing import (ALGORITHMS, count_next_fit_rows, histogram_of,  # noqa: E402
+from dynapipe_ext.batching.packing import (ALGORITHMS, count_next_fit_rows, histogram_of,  # noqa: E402
                                   pack_histogram)
 
 

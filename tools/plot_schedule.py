@@ -21,19 +21,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dynapipe_ext.cost_model import AnalyticCostModel  # noqa: E402
-from dynapipe_ext.executor import Executor  # noqa: E402
-from dynapipe_ext.instructions import (Backward, Forward, FreeBuffer, LoadInput,  # noqa: E402
+from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
+from dynapipe_ext.runtime.executor import Executor  # noqa: E402
+from dynapipe_ext.plan.instructions import (Backward, Forward, FreeBuffer, LoadInput,  # noqa: E402
                                        RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                        RecvGradStart, SendActivationFinish, SendActivationStart,
                                        SendGradFinish, SendGradStart)
-from dynapipe_ext.lowering import action_ms_from_costs, lower  # noqa: E402
-from dynapipe_ext.microbatch import MicroBatch  # noqa: E402
-from dynapipe_ext.model_spec import ModelSpec  # noqa: E402
-from dynapipe_ext.plan_checker import check_plans  # noqa: E402
-from dynapipe_ext.schedule_search import costs_for, micro_batch_costs, search_schedule  # noqa
-from dynapipe_ext.simulator import CommModel, transfer_matrix  # noqa: E402
-from dynapipe_ext.trace import (draw_gantt, events_from_records,  # noqa: E402
+from dynapipe_ext.plan.lowering import action_ms_from_costs, lower  # noqa: E402
+from dynapipe_ext.batching.microbatch import MicroBatch  # noqa: E402
+from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
+from dynapipe_ext.plan.plan_checker import check_plans  # noqa: E402
+from dynapipe_ext.schedule.schedule_search import costs_for, micro_batch_costs, search_schedule  # noqa
+from dynapipe_ext.schedule.simulator import CommModel, transfer_matrix  # noqa: E402
+from dynapipe_ext.plan.trace import (draw_gantt, events_from_records,  # noqa: E402
                                 events_from_simulation, write_chrome_trace)
 
 SCHEDULES = ("1f1b", "adaptive", "wave", "interleaved")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Profile the real megatron-core layers of a GPT or T5 model on this device and write a cost
-profile (dynapipe_ext.cost_profile) that the planners interpolate.
+profile (dynapipe_ext.costs.cost_profile) that the planners interpolate.
 
 Per layer kind (embedding, transformer layer(s), T5 encoder norm / decoder embedding, output
 layer + loss) and recompute mode, over a grid of micro-batch rows x sequence lengths (x decoder
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dynapipe_ext.cost_profile import (  # noqa: E402
+from dynapipe_ext.costs.cost_profile import (  # noqa: E402
     RECOMPUTE_MODES, CostProfile, profile_file_name, profile_key, save_profile)
-from dynapipe_ext.model_spec import ModelSpec  # noqa: E402
+from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -135,9 +135,9 @@ def main(argv=None) -> Path | None:
             raise SystemExit(f"--tensor-model-parallel-size {tp} needs {tp} processes: run under "
                              f"torchrun --nproc-per-node {tp}")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    from megatron.model.profile_layers import device_name, profile_meta, profile_model
+    from megatron.planning.profile_layers import device_name, profile_meta, profile_model
     from megatron.model.stages import build_transformer_config
-    from megatron.training.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
 
     layout = setup_model_parallel(tp, 1, seed=args.seed, vocab_size=spec.vocab_size,
                                   num_attention_heads=spec.num_attention_heads)
@@ -169,5 +169,5 @@ def main(argv=None) -> Path | None:
 
 if __name__ == "__main__":
     main()
-    from megatron.training.distributed_setup import end_process
+    from megatron.base.distributed_setup import end_process
     end_process(0)      # not a plain exit: see end_process (torchrun ranks)

@@ -62,15 +62,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dynapipe_ext.cost_model import (AnalyticCostModel, CostModel, StageCostArrays,  # noqa: E402
+from dynapipe_ext.costs.cost_model import (AnalyticCostModel, CostModel, StageCostArrays,  # noqa: E402
                                      analytic_balanced_cut, shape_feasible)
-from dynapipe_ext.cost_profile import load_profile  # noqa: E402
-from dynapipe_ext.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER,  # noqa: E402
+from dynapipe_ext.costs.cost_profile import load_profile  # noqa: E402
+from dynapipe_ext.costs.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER,  # noqa: E402
                                      ENC_NORM, GPT_LAYER, HEAD, ModelSpec,
                                      token_weighted_length)
-from dynapipe_ext.planners import (PlannerConfig, PlanningError,  # noqa: E402
+from dynapipe_ext.batching.planners import (PlannerConfig, PlanningError,  # noqa: E402
                                    effective_lengths, plan_micro_batches)
-from dynapipe_ext.schedule_search import micro_batch_costs, search_schedule  # noqa: E402
+from dynapipe_ext.schedule.schedule_search import micro_batch_costs, search_schedule  # noqa: E402
 from tools.bench_planner import DEVICE, global_batch  # noqa: E402
 
 PAPER_GPT = ModelSpec("gpt", num_layers=32, hidden_size=4096, num_attention_heads=32,
@@ -165,7 +165,7 @@ def fit_cost_laws(profiles: list) -> dict:
     separate). Returns {kind: {mode: {field: {"coef": {...}, "median_rel_err", "max_rel_err",
     "max_rel_err_large", "points"}}}}; relative errors are of the fitted law on the profiled
     points ("large": on the points of at least 10% of the largest value)."""
-    from dynapipe_ext.cost_profile import profile_kinds
+    from dynapipe_ext.costs.cost_profile import profile_kinds
     models = {p.spec.model for p in profiles}
     if len(models) != 1:
         raise ValueError(f"fit_cost_laws needs profiles of one model type, got {sorted(models)}")

@@ -28,7 +28,7 @@ from megatron.spindle.measure import (fit_link, iteration_tokens,  # noqa: E402
 from megatron.spindle.mt_model import (TinyMTConfig, build_components,  # noqa: E402
                                        describe, loss_normaliser, task_data)
 from megatron.spindle.runtime import WaveRuntime  # noqa: E402
-from megatron.training.distributed_setup import end_process, setup_model_parallel  # noqa: E402
+from megatron.base.distributed_setup import end_process, setup_model_parallel  # noqa: E402
 from tools.bench_planner import machine  # noqa: E402
 from tools.doc_sections import write_section  # noqa: E402
 

@@ -8,7 +8,7 @@ Checks, each failure a PlanError naming the wave, MetaOp and what is wrong:
 """
 from __future__ import annotations
 
-from ..plan_checker import PlanError
+from dynapipe_ext.plan.plan_checker import PlanError
 from .scheduler import WavePlan
 
 _EPS = 1e-12

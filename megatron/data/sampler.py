@@ -12,7 +12,7 @@ With a packing window (`PackingWindow`, the trainer's --packing-window) the stre
 windows of that many samples, each packed as a whole into rows ahead of training (Krell et
 al. pack the whole dataset); the rows are shuffled and global batches take whole rows while
 their tokens fit the budget. Samples are emitted row by row in an order from which next-fit
-rebuilds the rows (dynapipe_ext.packing.next_fit_order), so `--micro-batching packing`
+rebuilds the rows (dynapipe_ext.batching.packing.next_fit_order), so `--micro-batching packing`
 trains on exactly these rows. Still a pure function of the seed and the stream position."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from dynapipe_ext.packing import ALGORITHMS, next_fit_order, pack_pairs, pack_sequences
+from dynapipe_ext.batching.packing import ALGORITHMS, next_fit_order, pack_pairs, pack_sequences
 
 STREAM_BLOCK = 8192  # stream positions generated per block
 

@@ -24,7 +24,7 @@ from megatron.flextp.balance import KINDS, Balancer, rank_work
 from megatron.flextp.layers import COMM, modelled_clock, modelled_seconds, slowdown_factor
 from megatron.flextp.model import FlexGPT, FlexGPTConfig
 from megatron.flextp.optim import FlexAdamW
-from megatron.training.distributed_setup import end_process
+from megatron.base.distributed_setup import end_process
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from dynapipe_ext.planners import PACKED_ATTENTION as PACKED_MODES   # the planner costs them
+from dynapipe_ext.batching.planners import PACKED_ATTENTION as PACKED_MODES   # the planner costs them
 
 # SDPA backends in the order tried. cuDNN's kernel (torch 2.11's first choice on an H100) builds
 # an execution graph for every new input shape, ~100 ms of host time each time; dynamic

@@ -20,7 +20,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from dynapipe_ext.microbatch import MicroBatch
+from dynapipe_ext.batching.microbatch import MicroBatch
 from megatron.model.attention import Segments
 
 GPT_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "segments")

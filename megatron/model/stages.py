@@ -69,7 +69,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.model.attention import AttentionMask, sdpa_layer_spec, segment_bucket
 
-from dynapipe_ext.model_spec import (
+from dynapipe_ext.costs.model_spec import (
     DEC_EMBEDDING,
     DEC_LAYER,
     EMBEDDING,
@@ -152,7 +152,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
     persistent LayerNorm, RoPE) and the softmax fusion SDPAttention does not use.
     Dropout defaults to 0 here (tests and tools compare exact numbers); the trainer passes
-    --hidden-dropout / --attention-dropout, whose streams megatron/model/rng.py seeds."""
+    --hidden-dropout / --attention-dropout, whose streams megatron/base/rng.py seeds."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
 from dynapipe_ext.flextp.policy import add_balance_args
-from dynapipe_ext.iteration_planner import REPLICA_SPLITS
-from dynapipe_ext.microbatch import DYNAMIC_LAYOUTS
-from dynapipe_ext.planners import PACKING_ALGORITHMS
+from dynapipe_ext.plan.iteration_planner import REPLICA_SPLITS
+from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
+from dynapipe_ext.batching.planners import PACKING_ALGORITHMS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
 from megatron.data.tokenizers import TOKENIZER_TYPES, VOCAB_EXTRA_IDS_HELP
@@ -52,7 +52,7 @@ class TrainConfig:
     dynamic_layout: str
     micro_batch_size: int
     pipeline_schedule: str
-    num_planner_workers: int | str   # or "auto" (dynapipe_ext/cluster.py)
+    num_planner_workers: int | str   # or "auto" (dynapipe_ext/plan/cluster.py)
     plan_prefetch: int
     check_plans: bool
     cost_model: str
@@ -110,7 +110,7 @@ class TrainConfig:
     eval_iters: int = 100                       # validation global batches per evaluation
     valid_data_path: tuple | None = None        # validation prefixes, --data-path syntax
     split: str | None = None                    # Megatron's "969,30,1" of --data-path
-    # device figures for planning (None: from the device; megatron/training/device_costs.py)
+    # device figures for planning (None: from the device; megatron/planning/device_costs.py)
     device_flops: float | None = None
     device_memory_gb: float | None = None
     memory_headroom_gb: float | None = None

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dynapipe_ext.iteration_planner import IterationPlannerConfig, plan_iteration
-from dynapipe_ext.serialization import plan_from_bytes
+from dynapipe_ext.plan.iteration_planner import IterationPlannerConfig, plan_iteration
+from dynapipe_ext.plan.serialization import plan_from_bytes
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.training.handlers import micro_batch_order
 from megatron.training.train_logging import ValidationStats

@@ -63,7 +63,7 @@ class Bucket:
 
 def backwards_per_stage(instructions: Iterable) -> dict[int, int]:
     """How many Backward instructions each stage has in one rank's plan."""
-    from dynapipe_ext.instructions import Backward
+    from dynapipe_ext.plan.instructions import Backward
     return dict(Counter(i.stage for i in instructions if isinstance(i, Backward)))
 
 

@@ -1,6 +1,6 @@
 """Instruction handlers: what each execution-plan instruction does on this rank's stage modules.
 
-State is keyed by (mb, stage) as dynapipe_ext/lowering.py describes:
+State is keyed by (mb, stage) as dynapipe_ext/plan/lowering.py describes:
 * Micro-batch tensors: a background thread builds them in the order this rank needs them
   (`reset(..., order)`), only the keys its stages read (stages.batch_keys), pinned when the
   device is CUDA so that the copies to the device do not block the host.
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dynapipe_ext.instructions import (
+from dynapipe_ext.plan.instructions import (
     Backward,
     Forward,
     FreeBuffer,
@@ -297,7 +297,7 @@ class PipelineRuntime:
         self.live_buffers.discard(instr.buffer)
 
     def handlers(self) -> dict[type, Callable]:
-        """Instruction type -> handler, for dynapipe_ext.executor.Executor."""
+        """Instruction type -> handler, for dynapipe_ext.runtime.executor.Executor."""
         return {LoadInput: self.load_input, Forward: self.forward, Backward: self.backward,
                 SendActivationStart: self.send_start, SendGradStart: self.send_start,
                 RecvActivationStart: self.recv_start, RecvGradStart: self.recv_start,
@@ -348,7 +348,7 @@ def make_handlers(rank_stages: Mapping[int, StageModule], batch_provider: BatchP
 
 def run_plan(plan, table: HandlerTable) -> None:
     """Walk one ExecutionPlan through the handlers (the executor's job; kept here so the
-    Megatron side can run a plan before dynapipe_ext.executor exists)."""
+    Megatron side can run a plan before dynapipe_ext.runtime.executor exists)."""
     for index, instr in enumerate(plan.instructions):
         handler = table.get(type(instr))
         if handler is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from dynapipe_ext.instructions import (Backward, Forward, RecvActivationFinish,
+from dynapipe_ext.plan.instructions import (Backward, Forward, RecvActivationFinish,
                                        RecvGradFinish, SendActivationFinish, SendGradFinish)
 
 PARTS = ("forward", "backward", "transfer_wait", "sync_wait", "optimizer", "plan_wait", "host")

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dynapipe_ext.cluster import default_replica_split, ranks_per_node_from_env
-from dynapipe_ext.executor import Executor
-from dynapipe_ext.model_spec import ModelSpec
-from dynapipe_ext.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
+from dynapipe_ext.plan.cluster import default_replica_split, ranks_per_node_from_env
+from dynapipe_ext.runtime.executor import Executor
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.plan.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
                                             pipeline_layout)
-from dynapipe_ext.planners import PlannerConfig
+from dynapipe_ext.batching.planners import PlannerConfig
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow
@@ -36,10 +36,11 @@ from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
                                    replica_groups)
-from megatron.training import checkpointing, device_costs
+from megatron.checkpoint import checkpointing
+from megatron.planning import device_costs
 from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
                                          pipeline_stage_count, split_units, virtual_stages)
-from megatron.training.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
+from megatron.base.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
@@ -47,7 +48,7 @@ from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_g
                                         micro_batch_order)
 from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
-from megatron.training.plan_delivery import PlanDelivery, start_plan_delivery
+from megatron.planning.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.profiling import IterationProfiler
 from megatron.training.step_timing import StepClock, add_parts
 from megatron.training.train_logging import (IterationStats, TrainLogger, peak_memory_bytes,
@@ -253,7 +254,7 @@ def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
     has measured them."""
     if cfg.pipeline_split == "even":
         return ()
-    from dynapipe_ext.model_spec import balanced_cut
+    from dynapipe_ext.costs.model_spec import balanced_cut
     num_stages = pipeline_stage_count(cfg)
     units = split_units(cfg.pipeline_split)
     if units is None:
@@ -276,8 +277,8 @@ def balanced_cut_here(cfg: TrainConfig, spec: ModelSpec, lengths: np.ndarray,
     rows for about an eighth of a pipeline's tokens. Measured rather than predicted: on a
     CPU the analytic model's FLOPs put too little time in attention and too much in the
     output layer, and the cut then overshoots."""
-    from dynapipe_ext.model_spec import balanced_cut, token_weighted_length
-    from megatron.model.profile_layers import half_layer_unit_times
+    from dynapipe_ext.costs.model_spec import balanced_cut, token_weighted_length
+    from megatron.planning.profile_layers import half_layer_unit_times
     seq = max(8, int(token_weighted_length(lengths, cfg.seq_length)))
     tokens = float(np.asarray(lengths).sum())
     rows = max(1, round(tokens / layout.dp / (8 * layout.pp) / seq))
@@ -606,7 +607,7 @@ def agree_on_start(start: int, load_dir: str, layout: ParallelLayout) -> int:
 
 def describe_stage(kinds: tuple[str, ...]) -> str:
     """A stage's layers in a few words: '3.5 layers + head' (a half layer counts 0.5)."""
-    from dynapipe_ext.model_spec import EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP, HEAD
+    from dynapipe_ext.costs.model_spec import EMBEDDING, GPT_ATTENTION, GPT_LAYER, GPT_MLP, HEAD
     layers = kinds.count(GPT_LAYER) + 0.5 * (kinds.count(GPT_ATTENTION) + kinds.count(GPT_MLP))
     text = f"{layers:g} layers"
     if EMBEDDING in kinds:

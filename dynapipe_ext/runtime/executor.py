@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping
 
-from .instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction, LoadInput,
                            RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                            RecvGradStart, SendActivationFinish, SendActivationStart,
                            SendGradFinish, SendGradStart)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
                            RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                            RecvGradStart, SendActivationFinish, SendActivationStart,
                            SendGradFinish, SendGradStart)
-from .lowering import needs_input
-from .model_spec import ModelSpec, stage_output_shapes
+from dynapipe_ext.plan.lowering import needs_input
+from dynapipe_ext.costs.model_spec import ModelSpec, stage_output_shapes
 
 
 class PlanError(ValueError):

@@ -19,13 +19,13 @@ from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from .cost_model import CostModel
-from .microbatch import MicroBatch
-from .model_spec import ModelSpec, stage_output_shapes
-from .schedule_ir import Schedule, ScheduleError, forward_only
-from .schedules import (MemoryLimitError, adaptive_search, fit_levels, hanayo_levels,
+from dynapipe_ext.costs.cost_model import CostModel
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import ModelSpec, stage_output_shapes
+from dynapipe_ext.schedule.schedule_ir import Schedule, ScheduleError, forward_only
+from dynapipe_ext.schedule.schedules import (MemoryLimitError, adaptive_search, fit_levels, hanayo_levels,
                         interleaved_levels, one_f_one_b)
-from .simulator import CommModel, PipelineCosts, SimResult, simulate
+from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts, SimResult, simulate
 
 SCHEDULE_NAMES = ("1f1b", "adaptive", "wave", "interleaved")
 DEFAULT_CANDIDATES = ("1f1b", "adaptive", "interleaved", "wave")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
+from dynapipe_ext.costs.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
                          GPT_ATTENTION, GPT_LAYER, GPT_MLP, HEAD, ModelSpec)
 
 # Transformer layer kinds and how much of a whole layer each is (weight of the per-layer
@@ -425,7 +425,7 @@ def analytic_balanced_cut(spec: ModelSpec, num_stages: int, seq_len: float,
     the FLOP counts); for projections the analytic model is the device."""
     from dataclasses import replace
 
-    from .model_spec import balanced_cut
+    from dynapipe_ext.costs.model_spec import balanced_cut
     units = 2 * spec.num_layers
     model = AnalyticCostModel(replace(spec, pipeline_cut=(1,) * units), num_stages=units,
                               **options)

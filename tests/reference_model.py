@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dynapipe_ext.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens, unsplit_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import build_rank_stages, build_transformer_config, stage_parameters

@@ -69,7 +69,7 @@ class ModelArgs:
 
     def spec(self, vocab_rows: int | None = None):
         """The ModelSpec of this model with `vocab_rows` (default: the unpadded vocabulary)."""
-        from dynapipe_ext.model_spec import ModelSpec
+        from dynapipe_ext.costs.model_spec import ModelSpec
         return ModelSpec(model=self.model, num_layers=self.num_layers,
                          hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads,
@@ -508,7 +508,7 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
     import json
     import os
 
-    from megatron.training.checkpointing import atomic_write, save_model_only_checkpoint
+    from megatron.checkpoint.checkpointing import atomic_write, save_model_only_checkpoint
     os.makedirs(directory, exist_ok=True)
     signature = {"model": args.model, "num_layers": args.num_layers,
                  "decoder_num_layers": args.decoder_num_layers, "hidden_size": args.hidden_size,
@@ -549,7 +549,7 @@ def read_converted(directory: str, args_directory: str | None = None) -> tuple[d
     import json
     import os
 
-    from megatron.training.checkpointing import read_common, read_full_model_state
+    from megatron.checkpoint.checkpointing import read_common, read_full_model_state
     args_file = os.path.join(args_directory or directory, ARGS_FILE)
     if not os.path.isfile(args_file):
         raise ConversionError(f"{args_file} not found: export reads the model flags from a "

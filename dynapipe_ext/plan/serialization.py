@@ -15,11 +15,11 @@ import zlib
 
 import numpy as np
 
-from .instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
                            RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                            RecvGradStart, SendActivationFinish, SendActivationStart,
                            SendGradFinish, SendGradStart)
-from .microbatch import MicroBatch
+from dynapipe_ext.batching.microbatch import MicroBatch
 
 MAGIC = b"DPXPLAN\0"
 FORMAT_VERSION = 1

@@ -16,13 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from .cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_needed
-from .dp_split import makespan_objective, optimal_split
-from .microbatch import (DYNAMIC_LAYOUTS, MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch,
+from dynapipe_ext.costs.cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_needed
+from dynapipe_ext.batching.dp_split import makespan_objective, optimal_split
+from dynapipe_ext.batching.microbatch import (DYNAMIC_LAYOUTS, MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch,
                          as_lengths, packed_cost_shape, padding_efficiency)
-from .ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
+from dynapipe_ext.batching.ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
                        t5_order)
-from .replica_split import balanced_partition, replica_makespans
+from dynapipe_ext.batching.replica_split import balanced_partition, replica_makespans
 
 OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
@@ -381,7 +381,7 @@ def _fitting_halves(ctx: PlanningContext, ids: list[int]) -> list[MicroBatch]:
 def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
     """Pack samples into rows of exactly max_seq_len (T5: and max_dec_seq_len) tokens with the
     configured packer, then group `micro_batch_size` rows per micro-batch."""
-    from .packing import pack_pairs, pack_sequences   # written alongside; imported when used
+    from dynapipe_ext.batching.packing import pack_pairs, pack_sequences   # written alongside; imported when used
     cfg = ctx.config
     if cfg.model == "gpt":
         packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
@@ -466,7 +466,7 @@ def _packing_candidate(ctx: PlanningContext):
     """(objective, micro-batches) of the best packing plan laid out as packed streams: the
     configured packer's rows, grouped 1, 2, 4, ... rows per micro-batch (and the packing
     strategy's own rows per micro-batch) in packing's order; None when none fits memory."""
-    from .packing import pack_pairs, pack_sequences
+    from dynapipe_ext.batching.packing import pack_pairs, pack_sequences
     cfg = ctx.config
     if cfg.model == "gpt":
         packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,

@@ -1,7 +1,7 @@
 """Lowering: a compute-only pipeline Schedule -> one ExecutionPlan (instruction list) per rank.
 
 The semantics below are the contract between this module, the plan checker and the runtime
-handlers (dynapipe_ext.executor + megatron/). Handlers key compute inputs and outputs by
+handlers (dynapipe_ext.runtime.executor + megatron/). Handlers key compute inputs and outputs by
 (mb, stage); buffer ids only name tensors that are in flight or held for a transfer.
 
 Per rank, in order:
@@ -56,7 +56,7 @@ What is assumed of NCCL, and why the order above is then safe:
    a Start into a rendezvous the argument above does not model (two ranks each blocked in a
    Start towards the other's later Start). The trainer therefore creates every pair's
    communicator at set-up with a warm-up exchange on each direction's group
-   (megatron/training/distributed_setup.warm_up_pipeline_transfers); after it, isend/irecv
+   (megatron/base/distributed_setup.warm_up_pipeline_transfers); after it, isend/irecv
    only enqueue work and return.
 2. Per communicator, operations complete in posting order on one stream: a Finish of
    transfer k waits for transfers 1..k of its communicator, all posted earlier on both ends
@@ -78,14 +78,14 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, Instruction, LoadInput,
                            RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                            RecvGradStart, SendActivationFinish, SendActivationStart,
                            SendGradFinish, SendGradStart)
-from .microbatch import MicroBatch
-from .model_spec import DEC_EMBEDDING, EMBEDDING, HEAD, ModelSpec, stage_output_shapes
-from .schedule_ir import BACKWARD, FORWARD, Action, Schedule, validate_schedule
-from .simulator import PipelineCosts, SimResult, simulate
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import DEC_EMBEDDING, EMBEDDING, HEAD, ModelSpec, stage_output_shapes
+from dynapipe_ext.schedule.schedule_ir import BACKWARD, FORWARD, Action, Schedule, validate_schedule
+from dynapipe_ext.schedule.simulator import PipelineCosts, SimResult, simulate
 
 DTYPES = ("float32", "float16", "bfloat16")
 ACTIVATION = "activation"

@@ -44,18 +44,18 @@ from typing import Any
 
 import numpy as np
 
-from .cost_model import CostModel
-from .lowering import DTYPES, lower
-from .microbatch import BatchPlan
-from .model_spec import ModelSpec
-from .planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
+from dynapipe_ext.costs.cost_model import CostModel
+from dynapipe_ext.plan.lowering import DTYPES, lower
+from dynapipe_ext.batching.microbatch import BatchPlan
+from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.batching.planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
                        plan_micro_batches)
-from .replica_split import deal_samples
-from .schedule_ir import interleaved_layout, linear_layout, wave_layout
-from .schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
+from dynapipe_ext.batching.replica_split import deal_samples
+from dynapipe_ext.schedule.schedule_ir import interleaved_layout, linear_layout, wave_layout
+from dynapipe_ext.schedule.schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
                               micro_batch_costs)
-from .schedules import MemoryLimitError
-from .simulator import CommModel
+from dynapipe_ext.schedule.schedules import MemoryLimitError
+from dynapipe_ext.schedule.simulator import CommModel
 
 PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "interleaved", "wave")
 AUTO_LAYOUTS = ("linear", "interleaved", "wave")
@@ -99,9 +99,9 @@ def build_cost_model(source: CostModelSource, spec: ModelSpec, tp: int,
     """The cost model `source` describes (built once per process and argument set)."""
     options = dict(source.options)
     if source.kind == "analytic":
-        from .cost_model import AnalyticCostModel
+        from dynapipe_ext.costs.cost_model import AnalyticCostModel
         return AnalyticCostModel(spec, tp=tp, num_stages=num_stages, **options)
-    from .cost_profile import ProfiledCostModel, load_profile
+    from dynapipe_ext.costs.cost_profile import ProfiledCostModel, load_profile
     profile = load_profile(source.path)
     if profile.key.get("tensor_model_parallel_size", tp) != tp:
         raise ValueError(f"{source.path}: cost profile was measured at tensor-parallel size "
@@ -383,8 +383,8 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
     """Plan one global batch (`lengths`: GPT (n,), T5 (n, 2)) into the plan bytes of every rank
     of the data-parallel `replicas` (None: all). A replica's bytes are the same whichever
     replicas one call plans; with replica_split "samples" only those replicas are planned."""
-    from .plan_checker import check_plans
-    from .serialization import plan_to_bytes
+    from dynapipe_ext.plan.plan_checker import check_plans
+    from dynapipe_ext.plan.serialization import plan_to_bytes
 
     start, cpu_start = time.perf_counter(), time.process_time()
     wanted = _wanted_replicas(replicas, config.dp)

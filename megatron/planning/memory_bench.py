@@ -9,7 +9,7 @@ its received input and its output (the handlers hold both until the backward); t
 backward gets a gradient of the output's shape. Transfers are left out: inputs and output
 gradients are fresh tensors of the shapes the plan would receive. Parameter gradients are
 allocated before the measurement, so it counts activations only. Memory is read as in
-megatron/model/profile_layers.py: torch.cuda's peak counter on GPU; on CPU glibc's bytes in
+megatron/planning/profile_layers.py: torch.cuda's peak counter on GPU; on CPU glibc's bytes in
 use after every aten op (allocations inside one op are not seen).
 """
 from __future__ import annotations
@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dynapipe_ext.cost_model import AnalyticCostModel
-from dynapipe_ext.model_spec import ModelSpec, stage_output_shapes
-from dynapipe_ext.planners import PlannerConfig, plan_micro_batches
-from dynapipe_ext.schedule_ir import FORWARD, Schedule
-from dynapipe_ext.schedule_search import costs_from_micro_batches
-from dynapipe_ext.schedules import one_f_one_b
-from dynapipe_ext.simulator import PipelineCosts, simulate
+from dynapipe_ext.costs.cost_model import AnalyticCostModel
+from dynapipe_ext.costs.model_spec import ModelSpec, stage_output_shapes
+from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches
+from dynapipe_ext.schedule.schedule_ir import FORWARD, Schedule
+from dynapipe_ext.schedule.schedule_search import costs_from_micro_batches
+from dynapipe_ext.schedule.schedules import one_f_one_b
+from dynapipe_ext.schedule.simulator import PipelineCosts, simulate
 from megatron.model.batch_tensors import build_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
-from megatron.model.profile_layers import _PeakAfterEachOp, cpu_bytes_in_use
+from megatron.planning.profile_layers import _PeakAfterEachOp, cpu_bytes_in_use
 from megatron.model.stages import build_rank_stages, build_transformer_config, run_stage_forward
 
 

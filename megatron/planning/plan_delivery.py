@@ -1,5 +1,5 @@
 """Plan delivery, node by node: every node's planning leader (its lowest rank) plans ahead with
-`PlanAhead` the data-parallel replicas that have a rank on the node (dynapipe_ext/cluster.py),
+`PlanAhead` the data-parallel replicas that have a rank on the node (dynapipe_ext/plan/cluster.py),
 and sends each other rank of the node exactly its execution plan over a process group of the
 node's own ranks. One node (the default without torchrun's LOCAL_WORLD_SIZE) is the whole
 world, rank 0 its leader. With replica_split "samples" a node plans only its replicas'
@@ -17,7 +17,7 @@ flight. Readers receive in iteration order and wait at most `timeout_s`: a dead 
 leader is an error naming the rank, its node and the iteration, never a hang (a gloo timeout
 also closes that rank's connections of the group, so delivery ends there; the run ends with
 it anyway). A dead or stalled planner worker is a PlanningFailed on every rank of its node
-naming the iteration and the node. Plans carry a CRC (dynapipe_ext/serialization.py), checked
+naming the iteration and the node. Plans carry a CRC (dynapipe_ext/plan/serialization.py), checked
 when decoded: a corrupted plan is an error, never a run on wrong data.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dynapipe_ext.cluster import (all_nodes, auto_num_workers, free_cores, node_ranks,
+from dynapipe_ext.plan.cluster import (all_nodes, auto_num_workers, free_cores, node_ranks,
                                   node_replicas, ranks_per_node_from_env)
-from dynapipe_ext.iteration_planner import IterationPlannerConfig, iteration_plan_fn
-from dynapipe_ext.plan_ahead import PlanAhead, PlanningFailed
+from dynapipe_ext.plan.iteration_planner import IterationPlannerConfig, iteration_plan_fn
+from dynapipe_ext.runtime.plan_ahead import PlanAhead, PlanningFailed
 
 PLAN, ERROR = 1, 2                 # header kinds
 HEADER_TAG, PAYLOAD_TAG = 1, 2     # point-to-point tags on the plan group
@@ -166,7 +166,7 @@ class DeliveredPlan:
 
 
 def _default_decode(data: bytes):
-    from dynapipe_ext.serialization import plan_from_bytes
+    from dynapipe_ext.plan.serialization import plan_from_bytes
     return plan_from_bytes(data)
 
 

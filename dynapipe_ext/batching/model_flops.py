@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .microbatch import MicroBatch
-from .model_spec import ModelSpec
+from dynapipe_ext.batching.microbatch import MicroBatch
+from dynapipe_ext.costs.model_spec import ModelSpec
 
 
 def _per_token_linear(spec: ModelSpec) -> tuple[float, float, float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .schedule_ir import (FORWARD, Action, Schedule, ScheduleError, is_forward_only,
+from dynapipe_ext.schedule.schedule_ir import (FORWARD, Action, Schedule, ScheduleError, is_forward_only,
                           validate_schedule)
 
 

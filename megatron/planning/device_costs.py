@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynapipe_ext.cost_profile import (RECOMPUTE_MODES, CostProfile, LayerTable, auto_grid,
+from dynapipe_ext.costs.cost_profile import (RECOMPUTE_MODES, CostProfile, LayerTable, auto_grid,
                                        cached_profile, default_cache_dir, fill_rows_by_scaling,
                                        profile_file_name, profile_key, save_profile)
-from dynapipe_ext.iteration_planner import CostModelSource
-from dynapipe_ext.simulator import CommModel
-from megatron.training.distributed_setup import use_cuda
+from dynapipe_ext.plan.iteration_planner import CostModelSource
+from dynapipe_ext.schedule.simulator import CommModel
+from megatron.base.distributed_setup import use_cuda
 
 GIB = 2**30
 CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
@@ -278,7 +278,7 @@ def run_device():
 
 def run_profile_key(cfg, spec) -> dict:
     """What this run's profile must have been made for: model, TP, device and precision."""
-    from megatron.model.profile_layers import device_name
+    from megatron.planning.profile_layers import device_name
     return profile_key(spec, cfg.tensor_model_parallel_size, device_name(run_device()),
                        "bfloat16" if cfg.bf16 else "float32")
 
@@ -297,7 +297,7 @@ def build_cost_profile(cfg, spec, device, progress: bool = False) -> CostProfile
     import torch
     from tqdm import tqdm
 
-    from megatron.model.profile_layers import grid_points, profile_meta, profile_model
+    from megatron.planning.profile_layers import grid_points, profile_meta, profile_model
     from megatron.model.stages import build_transformer_config
     dtype_name = "bfloat16" if cfg.bf16 else "float32"
     longest = max(cfg.seq_length, cfg.decoder_seq_length)

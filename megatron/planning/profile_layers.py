@@ -1,6 +1,6 @@
 """Measure one megatron-core layer kind on the current device: forward and backward time, bytes
 kept for backward, transient peak bytes, parameter bytes. Used by tools/profile_cost_model.py
-to build the profiles that dynapipe_ext.cost_profile reads.
+to build the profiles that dynapipe_ext.costs.cost_profile reads.
 
 Every layer module follows the stage contract of megatron/model/stages.py (`module(inputs,
 batch)`, `.config`), so it runs through the same `run_stage_forward` as training and gets the
@@ -33,9 +33,9 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dynapipe_ext.cost_profile import (FIELDS, TRANSFORMER_KINDS, LayerTable, layer_axes,
+from dynapipe_ext.costs.cost_profile import (FIELDS, TRANSFORMER_KINDS, LayerTable, layer_axes,
                                        profile_kinds)
-from dynapipe_ext.model_spec import (
+from dynapipe_ext.costs.model_spec import (
     DEC_EMBEDDING,
     DEC_LAYER,
     EMBEDDING,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import GlobalMemoryBuffer
 
-from megatron.model.rng import seed_model_parallel
+from megatron.base.rng import seed_model_parallel
 
 DEFAULT_TIMEOUT_S = 120.0
 DEVICE_ENV = "DYNAPIPE_DEVICE"    # "cpu": gloo and CPU tensors even where CUDA is visible
@@ -98,7 +98,7 @@ def install_cpu_memory_buffer() -> None:
 
 def seed_everything(seed: int, on_gpu: bool | None = None) -> None:
     """Seed torch and megatron-core's RNG tracker per rank as Megatron-LM does (the streams
-    dropout draws from; megatron/model/rng.py), on the CPU generator when not on a GPU."""
+    dropout draws from; megatron/base/rng.py), on the CPU generator when not on a GPU."""
     seed_model_parallel(seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank(),
                         use_cuda() if on_gpu is None else on_gpu)
@@ -172,7 +172,7 @@ def make_pipeline_p2p_groups(timeout: datetime.timedelta) -> tuple:
     higher pipeline ranks, the other those towards lower ones. NCCL runs a pair's operations of
     one group in posting order on one stream, so with a single group a receive posted early
     could hold back a send to the same peer; per direction, each pair's stream carries only
-    sends one way, in the order both sides' plans agree on (dynapipe_ext/lowering.py)."""
+    sends one way, in the order both sides' plans agree on (dynapipe_ext/plan/lowering.py)."""
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

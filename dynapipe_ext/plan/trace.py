@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
+from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
                            RecvActivationFinish, RecvGradFinish)
-from .schedule_ir import FORWARD
+from dynapipe_ext.schedule.schedule_ir import FORWARD
 
 COMPUTE = "compute"
 COMM = "comm"

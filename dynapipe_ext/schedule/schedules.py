@@ -12,9 +12,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .schedule_ir import (BACKWARD, FORWARD, Action, Schedule, ScheduleError, interleaved_layout,
+from dynapipe_ext.schedule.schedule_ir import (BACKWARD, FORWARD, Action, Schedule, ScheduleError, interleaved_layout,
                           linear_layout, stages_of_rank, wave_layout)
-from .simulator import CommModel, PipelineCosts, transfer_matrix, uniform_costs
+from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts, transfer_matrix, uniform_costs
 
 
 class MemoryLimitError(ScheduleError):
@@ -52,7 +52,7 @@ def _phased(name: str, layout: tuple[int, ...], num_mb: int, fw_orders, bw_order
     with every warm-up raised alike by the least amount (found by bisection) that lets the
     order run without deadlock, checked by simulating it (all forwards first never
     deadlocks when the orders follow the dependencies)."""
-    from .simulator import simulate   # local: keeps the module graph one-directional
+    from dynapipe_ext.schedule.simulator import simulate   # local: keeps the module graph one-directional
     costs = uniform_costs(num_mb, len(layout))
 
     def runs(extra: int) -> Schedule | None:
@@ -188,7 +188,7 @@ def fit_levels(builds, costs: PipelineCosts, memory_limit: float, name: str,
     """Of `builds` (callables, from most to least memory), the one with the smallest
     simulated makespan among those whose peak under `costs` fits `memory_limit` (the first
     that fits when there is no limit); MemoryLimitError naming the lowest peak otherwise."""
-    from .simulator import peak_memory, simulate
+    from dynapipe_ext.schedule.simulator import peak_memory, simulate
     lowest, best = math.inf, None
     for build in builds:
         schedule = build()
@@ -443,7 +443,7 @@ def adaptive_search(costs: PipelineCosts, memory_limit: float = math.inf,
     micro-batch order) is a candidate too, so adaptive never loses to 1F1B when 1F1B fits.
     Returns the smallest predicted makespan that fits `memory_limit`; the schedule's name says
     how it was made, e.g. 'adaptive[cost-asc,+2,BFA]'."""
-    from .simulator import simulate   # local: keeps the module graph one-directional
+    from dynapipe_ext.schedule.simulator import simulate   # local: keeps the module graph one-directional
     s2r = tuple(stage_to_rank) if stage_to_rank is not None else linear_layout(costs.num_stages)
     fitting: list[tuple[float, int, GreedyOrder]] = []
     refusals: list[str] = []

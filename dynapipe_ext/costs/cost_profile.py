@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost_model import WHOLE_LAYER, CostModel, StageCostArrays, half_layer_shares
-from .model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
+from dynapipe_ext.costs.cost_model import WHOLE_LAYER, CostModel, StageCostArrays, half_layer_shares
+from dynapipe_ext.costs.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
                          GPT_ATTENTION, GPT_LAYER, HEAD, ModelSpec)
 
 PROFILE_VERSION = 1

@@ -342,7 +342,7 @@ def reseed(seed: int, iteration: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     if parallel_state.model_parallel_is_initialized():
-        from megatron.training.distributed_setup import seed_everything
+        from megatron.base.distributed_setup import seed_everything
         seed_everything(seed)
     else:
         torch.manual_seed(seed)
