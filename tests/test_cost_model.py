@@ -83,8 +83,8 @@ class ScalarOnly(CostModel):
     def stage_costs(self, rows, seq_len, dec_seq_len, num_stages, recompute="none"):
         return self.inner.stage_costs(rows, seq_len, dec_seq_len, num_stages, recompute)
 
-    def activation_memory_limit(self):
-        return self.inner.activation_memory_limit()
+    def activation_memory_limit(self, num_stages=None, stage_to_rank=None):
+        return self.inner.activation_memory_limit(num_stages, stage_to_rank)
 
 
 def test_scalar_fallback_matches_vectorised_costs():

@@ -80,7 +80,7 @@ def test_the_cost_model_gets_the_device_precision_and_optimizer_layout():
     assert model.dtype_bytes == 2 and model.device_flops == 4e14
     assert not model.sigmoid_gelu       # bf16: torch's GeLU kernel on any device
     assert model.bytes_per_param_state == 18               # bf16 layout; DP reduces in place
-    assert model.device_mem_bytes == (80 - 2) * GIB        # headroom kept
+    assert model.device_memory_bytes == (80 - 2) * GIB        # headroom kept
     assert model.activation_memory_limit(2) == pytest.approx(
         78 * GIB - 18 * max(sum(model.layer_params(k) for k in kinds)
                             for kinds in config.spec.stage_layers(2)))

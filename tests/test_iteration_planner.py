@@ -162,7 +162,7 @@ class MixCostModel(CostModel):
                                per_stage(np.where(long, 5.0 * rows, 0.0)),
                                np.ones(rows.shape, dtype=bool))
 
-    def activation_memory_limit(self):
+    def activation_memory_limit(self, num_stages=None, stage_to_rank=None):
         return 10.0
 
 

@@ -231,8 +231,9 @@ class FittedLawCostModel(CostModel):
                                          bytes_per_param_state=bytes_per_param_state,
                                          num_stages=num_stages)
 
-    def activation_memory_limit(self, num_stages: int | None = None) -> float:
-        return self._states.activation_memory_limit(num_stages or self.num_stages)
+    def activation_memory_limit(self, num_stages: int | None = None,
+                                stage_to_rank: tuple[int, ...] | None = None) -> float:
+        return self._states.activation_memory_limit(num_stages or self.num_stages, stage_to_rank)
 
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:

@@ -10,7 +10,6 @@ split over data-parallel replicas so the slowest replica's predicted makespan is
 possible (replica_split)."""
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -760,14 +759,11 @@ STRATEGIES: dict[str, Callable[[PlanningContext], list[MicroBatch]]] = {
 # ------------------------------------------------------------------ entry point
 
 def memory_limit_of(cost_model: CostModel, config: PlannerConfig) -> float:
-    """The config's override, else the cost model's activation limit (for the configured
-    number of stages when the model takes one)."""
+    """The config's override, else the cost model's activation limit for the configured
+    number of stages."""
     if config.memory_limit_bytes is not None:
         return float(config.memory_limit_bytes)
-    limit_fn = cost_model.activation_memory_limit
-    if "num_stages" in inspect.signature(limit_fn).parameters:
-        return float(limit_fn(num_stages=config.pipeline_stages))
-    return float(limit_fn())
+    return float(cost_model.activation_memory_limit(num_stages=config.pipeline_stages))
 
 
 def plan_micro_batches(lengths, config: PlannerConfig, cost_model: CostModel,

@@ -73,9 +73,27 @@ class CostModel:
                           int(round(arr.activation_bytes[k, 0])), int(round(arr.peak_bytes[k, 0])))
                 for k in range(num_stages)]
 
-    def activation_memory_limit(self) -> float:
-        """Bytes per device available for activations (device memory minus model states)."""
+    # Memory: a model sets `device_memory_bytes` and `num_stages` and answers model_state_bytes.
+    device_memory_bytes: float
+    num_stages: int = 1
+
+    def model_state_bytes(self, num_stages: int) -> list[float]:
+        """Parameter + gradient + optimizer bytes of each of `num_stages` stages (one TP rank)."""
         raise NotImplementedError
+
+    def activation_memory_limit(self, num_stages: int | None = None,
+                                stage_to_rank: tuple[int, ...] | None = None) -> float:
+        """Bytes per device available for activations: device memory minus the model states
+        of the heaviest rank, the model cut into `num_stages` stages (default: the model's
+        own count), stage s on rank `stage_to_rank[s]` (default: every stage on its own)."""
+        states = self.model_state_bytes(num_stages or self.num_stages)
+        ranks = stage_to_rank or tuple(range(len(states)))
+        if len(ranks) != len(states):
+            raise ValueError(f"stage_to_rank has {len(ranks)} entries for {len(states)} stages")
+        per_rank: dict[int, float] = {}
+        for stage, rank in enumerate(ranks):
+            per_rank[rank] = per_rank.get(rank, 0.0) + states[stage]
+        return self.device_memory_bytes - max(per_rank.values())
 
 
 def shape_feasible(model: str, rows: np.ndarray, seq_len: np.ndarray, dec_seq_len: np.ndarray,
@@ -182,7 +200,7 @@ class AnalyticCostModel(CostModel):
         self.spec = spec
         self.tp = tp
         self.device_flops = float(device_flops)
-        self.device_mem_bytes = float(device_mem_bytes)
+        self.device_memory_bytes = float(device_mem_bytes)
         self.bytes_per_param_state = float(bytes_per_param_state)
         self.dtype_bytes = dtype_bytes
         self.max_seq_len = max_seq_len
@@ -232,11 +250,6 @@ class AnalyticCostModel(CostModel):
         return [(sum(self.layer_params(k) for k in kinds)
                  - self.spec.shared_vocab_params(kinds, self.tp)) * self.bytes_per_param_state
                 for kinds in self.spec.stage_layers(num_stages)]
-
-    def activation_memory_limit(self, num_stages: int | None = None) -> float:
-        """Device memory minus the model states of the heaviest stage (of `num_stages`, default
-        the count given at construction)."""
-        return self.device_mem_bytes - max(self.model_state_bytes(num_stages or self.num_stages))
 
     # ---- per-layer costs (vectorised over shapes)
     def _layer_cost(self, kind: str, b, s, d, recompute: str):

@@ -482,19 +482,6 @@ class ProfiledCostModel(CostModel):
     def _tp(self) -> int:
         return int(self.profile.key.get("tensor_model_parallel_size", 1))
 
-    def activation_memory_limit(self, num_stages: int | None = None,
-                                stage_to_rank: tuple[int, ...] | None = None) -> float:
-        """Device memory minus the model states of the heaviest rank; by default every stage
-        sits on its own rank, else `stage_to_rank[s]` names stage s's rank."""
-        states = self.model_state_bytes(num_stages or self.num_stages)
-        ranks = stage_to_rank or tuple(range(len(states)))
-        if len(ranks) != len(states):
-            raise ValueError(f"stage_to_rank has {len(ranks)} entries for {len(states)} stages")
-        per_rank: dict[int, float] = {}
-        for stage, rank in enumerate(ranks):
-            per_rank[rank] = per_rank.get(rank, 0.0) + states[stage]
-        return self.device_memory_bytes - max(per_rank.values())
-
     # ---- stage costs
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:

@@ -37,7 +37,6 @@ transfer. The split itself still fits the training memory rule, which is stricte
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -237,14 +236,7 @@ def search_memory_limit(cost_model: CostModel, config: IterationPlannerConfig) -
     if config.planner.memory_limit_bytes is not None:
         return float(config.planner.memory_limit_bytes)
     layout = pipeline_layout(config)
-    params = inspect.signature(cost_model.activation_memory_limit).parameters
-    if "stage_to_rank" in params:
-        return float(cost_model.activation_memory_limit(num_stages=len(layout),
-                                                        stage_to_rank=layout))
-    split_limit = memory_limit_of(cost_model, config.planner)
-    if "num_stages" in params:
-        return min(split_limit, float(cost_model.activation_memory_limit(num_stages=len(layout))))
-    return split_limit
+    return float(cost_model.activation_memory_limit(num_stages=len(layout), stage_to_rank=layout))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.base.collectives import gather_from_ranks, reduce_over_ranks
 from megatron.model.full_state import (assemble, load_sharded_state, local_shards,
                                        state_problems, whole)
 
@@ -397,19 +398,9 @@ def is_split(param, tp_size: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
 
 
-def gather_names(mine):
-    """Every rank's `mine` (file and parameter names): an object all-gather between the ranks
-    of this run, never read from a file."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
 def gather_index(file_name: str | None, names: list[str]) -> dict[str, list[str]]:
     """{shard file: the global names in it} over all ranks."""
-    return {f: n for f, n in gather_names((file_name, names)) if f is not None}
+    return {f: n for f, n in gather_from_ranks((file_name, names)) if f is not None}
 
 
 def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_state,
@@ -444,8 +435,8 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
         digests[os.path.basename(path)] = file_digest(path)
     except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = err
-    checksums = {n: d for files in gather_names(digests) for n, d in files.items()}
-    agree_or_raise(failure, f"iteration {iteration}: checkpoint not saved ({LATEST} in "
+    checksums = {n: d for files in gather_from_ranks(digests) for n, d in files.items()}
+    raise_if_any_rank_failed(failure, f"iteration {iteration}: checkpoint not saved ({LATEST} in "
                             f"{directory} still names the previous checkpoint)")
     if place.rank == 0:
         try:
@@ -458,7 +449,7 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
             mark_latest(directory, iteration, cfg.keep_last)
         except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
             failure = err
-    agree_or_raise(failure, f"iteration {iteration}: checkpoint not saved (rank 0 could not "
+    raise_if_any_rank_failed(failure, f"iteration {iteration}: checkpoint not saved (rank 0 could not "
                             f"write {COMMON} or update {LATEST} in {directory})")
     return path
 
@@ -708,27 +699,17 @@ def read_checked(directory: str, iteration: int, cfg, place, names: set[str],
     return Loaded(common, model, optimizer, rng)
 
 
-def agree_or_raise(failure: Exception | None, others: str) -> None:
+def raise_if_any_rank_failed(failure: Exception | None, others: str) -> None:
     """Every rank learns whether any rank failed, and why: the failed ones raise their own
     error, the rest a CheckpointError saying `others` and each failed rank's error (one line
     on every rank: a full disk on one rank is named on all), so no rank waits in a collective
     for a dead one."""
-    reasons = gather_names(None if failure is None else str(failure).replace("\n", " "))
+    reasons = gather_from_ranks(None if failure is None else str(failure).replace("\n", " "))
     if any(reasons):
         if failure is not None:
             raise failure
         raise CheckpointError(f"{others}: " + "; ".join(
             f"rank {r}: {why}" for r, why in enumerate(reasons) if why))
-
-
-def reduce_over_ranks(values: list[int], op) -> list[int]:
-    """All-reduce small integers over the default group (as they are without one)."""
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            tensor = tensor.cuda()
-        dist.all_reduce(tensor, op=op)
-    return [int(v) for v in tensor.tolist()]
 
 
 def count_over_ranks(flag: bool) -> int:
@@ -765,7 +746,7 @@ def choose_checkpoint(directory: str, cfg, place, names: set[str], signature: di
                     fatal = err
                 iteration = candidate
                 break
-        agree_or_raise(fatal, f"--load {directory}: another rank refused its checkpoint file")
+        raise_if_any_rank_failed(fatal, f"--load {directory}: another rank refused its checkpoint file")
         low, high = lowest_and_highest(iteration)
         if low == high:
             break
@@ -805,7 +786,7 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
     iteration, loaded = choose_checkpoint(directory, cfg, place, {n for n, _ in named},
                                           model_signature(cfg, modules))
     common, path = loaded.common, common_file(directory, iteration)
-    used = set().union(*gather_names(sorted(n for n, _ in named)))
+    used = set().union(*gather_from_ranks(sorted(n for n, _ in named)))
     unused = sorted({n for held in common["index"].values() for n in held} - used)
     if unused:      # the same on every rank
         raise CheckpointError(f"{path}: holds {len(unused)} parameters this model does not have "

@@ -346,17 +346,6 @@ def make_handlers(rank_stages: Mapping[int, StageModule], batch_provider: BatchP
                                         global_loss_tokens, device, timeout_s, grad_buffer))
 
 
-def run_plan(plan, table: HandlerTable) -> None:
-    """Walk one ExecutionPlan through the handlers (the executor's job; kept here so the
-    Megatron side can run a plan before dynapipe_ext.runtime.executor exists)."""
-    for index, instr in enumerate(plan.instructions):
-        handler = table.get(type(instr))
-        if handler is None:
-            raise PlanMismatchError(f"no handler for instruction #{index} {instr}")
-        handler(instr)
-    table.runtime.check_drained()
-
-
 # ---- reductions after the plan ----
 
 def all_reduce_data_parallel_grads(grad_buffer) -> dict:

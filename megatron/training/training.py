@@ -40,6 +40,7 @@ from megatron.checkpoint import checkpointing
 from megatron.planning import device_costs
 from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
                                          pipeline_stage_count, split_units, virtual_stages)
+from megatron.base.collectives import gather_from_ranks, problems_of_all_ranks
 from megatron.base.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
@@ -377,20 +378,14 @@ def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, d
 def agree_or_raise(problems: list[str], what: str) -> None:
     """Every rank learns whether any rank found a problem, and all raise the same error, so
     no rank goes on into a collective that a failed peer will never join."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    reports = problems_of_all_ranks(problems)
+    if len(reports) == 1:
         if problems:
             raise RunSetupError(f"{what}: " + "; ".join(problems))
         return
-    flag = torch.tensor([1.0 if problems else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag)
-    if flag.item() == 0:
-        return
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, problems)
     lines = [f"rank {r}: {p}" for r, ps in enumerate(reports) for p in ps]
-    raise RunSetupError(f"{what}:\n  " + "\n  ".join(lines))
+    if lines:
+        raise RunSetupError(f"{what}:\n  " + "\n  ".join(lines))
 
 
 def auto_layout_here(plan_cfg: IterationPlannerConfig, lengths, rank: int,
@@ -696,11 +691,7 @@ def gather_time_parts(history: list[IterationStats]) -> list[dict]:
     mine = {}
     for stats in history:
         mine = add_parts(mine, stats.time_parts or {})
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_from_ranks(mine)
 
 
 def save(run: TrainingRun, iterations_done: int) -> None:
