@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quickstart with validation (README "Validation"): 3% of the samples are held out with
+# The quickstart with validation (docs/USAGE.md "Validation"): 3% of the samples are held out with
 # Megatron's --split 969,30,1, and every 5 iterations (and after the last) 2 validation batches run
 # through forward-only plans, printing the validation loss overall, for the top tasks and per
 # task family. Extra arguments go to pretrain_gpt.py.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT (24 layers, hidden 1024, 2048 tokens) on NVIDIA GPUs with NCCL, bf16 weights and fp32
 # optimizer state, GPT-2 BPE tokenizer, DynaPipe micro-batching and schedule search planned for
-# the device (memory from the GPU, compute rate from a start-up calibration; README "GPU").
+# the device (memory from the GPU, compute rate from a start-up calibration; docs/USAGE.md "GPU").
 # TP (default 1) x PP (default 2 with 2+ GPUs per node) x DP over NNODES nodes of NGPU GPUs;
 # several nodes: run it on each with NNODES, NODE_RANK, MASTER_ADDR (node 0's) and MASTER_PORT.
 # DATA_PATH: your own preprocessed FLAN dump (docs/DATA.md); default the small sample. Extra

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # T5 (12 + 12 layers, hidden 768, encoder 2048 / decoder 512 tokens) on NVIDIA GPUs with NCCL,
 # bf16 weights and fp32 optimizer state, DynaPipe micro-batching over (encoder, decoder) shapes
-# planned for the device (README "GPU"). TP (default 1) x PP (default 2 with 2+ GPUs per node)
+# planned for the device (docs/USAGE.md "GPU"). TP (default 1) x PP (default 2 with 2+ GPUs per node)
 # x DP over NNODES nodes of NGPU GPUs; several nodes: run it on each with NNODES, NODE_RANK,
 # MASTER_ADDR (node 0's) and MASTER_PORT. DATA_PATH + TOKENIZER_MODEL: your own SentencePiece
 # dataset (docs/DATA.md); default the small sample. Extra arguments go to pretrain_t5.py.

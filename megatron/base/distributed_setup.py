@@ -1,4 +1,4 @@
-"""Process groups, seeds and the CPU workarounds megatron-core 0.16.1 needs (DESIGN.md section 4).
+"""Process groups, seeds and the CPU workarounds megatron-core 0.16.1 needs (docs/DESIGN.md, 1).
 
 `setup_model_parallel` is the one entry point: it checks the layout on every rank before any
 collective, starts `torch.distributed` (gloo on CPU, NCCL on GPU; DYNAPIPE_DEVICE=cpu forces
