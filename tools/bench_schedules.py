@@ -52,7 +52,7 @@ MAX_SEQ_LEN = 2048
 
 def flan_like_gpt_lengths(num_samples: int, seed: int) -> np.ndarray:
     """GPT sample lengths (input + target + EOD, truncated to MAX_SEQ_LEN) from
-    tools/bench_planner.py's seeded FLAN-like generator."""
+    the seeded FLAN-like generator (dynapipe_ext.batching.synthetic)."""
     inputs, targets = flan_like_lengths(num_samples, seed)
     return np.minimum(inputs + targets + 1, MAX_SEQ_LEN)
 

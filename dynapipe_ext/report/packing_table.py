@@ -1,7 +1,11 @@
-"""Markdown of the histogram packers' table (tools/bench_planner.py's Planner section)."""
+"""Packer tables: the histogram packers' table of the Planner section (tools/bench_planner.py)
+and the helpers of the Packers section (tools/bench_packers.py)."""
 from __future__ import annotations
 
 from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS
+
+# the packers of the Packers section, per batch and windowed
+PACKERS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
 
 
 def packing_markdown(rows: list[dict]) -> str:
@@ -25,3 +29,15 @@ def packing_markdown(rows: list[dict]) -> str:
                      + " / ".join("-" if c["efficiency"] is None else f"{c['efficiency']:.4f}"
                                   for c in cells) + " |")
     return "\n".join(lines)
+
+
+def packed_rows(shapes: str) -> int | None:
+    """Rows of one iteration from its shapes summary ('5*1x2048', '2*2x512/128 1x512/128');
+    None when the summary is cut short ('(+N more)')."""
+    if "more)" in shapes:
+        return None
+    total = 0
+    for part in shapes.split():
+        count, _, shape = part.rpartition("*")
+        total += int(count or 1) * int(shape.split("x")[0])
+    return total
