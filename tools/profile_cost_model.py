@@ -27,8 +27,6 @@ from dynapipe_ext.costs.cost_profile import (  # noqa: E402
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def int_list(text: str) -> list[int]:
     try:
