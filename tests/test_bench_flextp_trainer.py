@@ -1,6 +1,7 @@
-"""tools/bench_flextp_trainer.py's pure parts: it reads the stats file the real TrainLogger writes
-and the change lines the real balancer prints, computes the ideal like the standalone bench, and
-renders one table row per configuration (the runs themselves are the benchmark, not a test)."""
+"""tools/bench_flextp_trainer.py's pure parts (megatron/flextp/run_summary.py): it reads the stats
+file the real TrainLogger writes and the change lines the real balancer prints, computes the
+ideal like the standalone bench, and renders one table row per configuration (the runs
+themselves are the benchmark, not a test)."""
 import io
 import json
 import sys
@@ -11,10 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron.flextp import run_summary as bench  # noqa: E402
 from megatron.flextp.stage_balance import change_line  # noqa: E402
 from megatron.training.train_logging import (IterationStats, TrainLogger,  # noqa: E402
                                              ValidationStats)
-from tools import bench_flextp_trainer as bench  # noqa: E402
 
 
 def _stats(i, seconds, loss):

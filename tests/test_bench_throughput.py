@@ -1,6 +1,7 @@
 """Throughput benchmark: the harness runs real training iterations whose counted tokens are those
 of the samples it consumed (the attention modes it compares are tested in test_attention.py)."""
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,10 +15,15 @@ sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)
 
 
+def run_tool(*args, timeout=120):
+    """tools/<args[0]> with the rest of `args`, as a command; fails the test on a non-zero exit."""
+    subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, check=True, timeout=timeout)
+
+
 # ------------------------------------------------------------------ the harness
 
 def test_speedups_are_taken_within_one_model_and_length():
-    from tools.bench_throughput import add_ratios
+    from dynapipe_ext.report.throughput import add_ratios
     rows = [{"model": "gpt", "max_len": 512, "strategy": "packing", "tokens_per_s": 100.0},
             {"model": "gpt", "max_len": 512, "strategy": "dynamic", "tokens_per_s": 250.0},
             {"model": "gpt", "max_len": 1024, "strategy": "packing", "tokens_per_s": 50.0},
@@ -29,16 +35,14 @@ def test_speedups_are_taken_within_one_model_and_length():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    from tools import make_flan_sample, preprocess_flan, train_tokenizer
     out = tmp_path_factory.mktemp("bench_data")
-    assert make_flan_sample.main(["--output", str(out / "flan.jsonl"), "--num-samples", "300",
-                                  "--seed", "5"]) == 0
-    assert train_tokenizer.main(["--input", str(out / "flan.jsonl"), "--model-prefix",
-                                 str(out / "sp"), "--vocab-size", "600"]) == 0
-    assert preprocess_flan.main(["--input", str(out / "flan.jsonl"), "--output-prefix",
-                                 str(out / "flan"), "--tokenizer-type", "SentencePieceTokenizer",
-                                 "--tokenizer-model", str(out / "sp.model"),
-                                 "--no-progress"]) == 0
+    run_tool("tools/make_flan_sample.py", "--output", out / "flan.jsonl", "--num-samples", "300",
+             "--seed", "5")
+    run_tool("tools/train_tokenizer.py", "--input", out / "flan.jsonl", "--model-prefix",
+             out / "sp", "--vocab-size", "600")
+    run_tool("tools/preprocess_flan.py", "--input", out / "flan.jsonl", "--output-prefix",
+             out / "flan", "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", out / "sp.model", "--no-progress")
     return out
 
 
@@ -56,16 +60,15 @@ def gpt_tokens_from_files(prefix: str, ids, seq_length: int) -> int:
 
 @pytest.mark.slow
 def test_harness_counts_exactly_the_tokens_of_the_samples_it_trained_on(tiny_data, tmp_path):
-    from tools.bench_throughput import main
     out = tmp_path / "bench.json"
-    assert main(["--data-path", str(tiny_data / "flan"),
-                 "--tokenizer-model", str(tiny_data / "sp.model"), "--models", "gpt",
-                 "--max-lengths", "128", "--tokens-per-global-batch", "512",
-                 "--strategies", "packing+segment-attn", "dynamic",
-                 "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
-                 "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2",
-                 "--pp", "2", "--device", "cpu", "--timeout-minutes", "4",
-                 "--work-dir", str(tmp_path / "work"), "--output", str(out)]) == 0
+    run_tool("tools/bench_throughput.py", "--data-path", tiny_data / "flan",
+             "--tokenizer-model", tiny_data / "sp.model", "--models", "gpt",
+             "--max-lengths", "128", "--tokens-per-global-batch", "512",
+             "--strategies", "packing+segment-attn", "dynamic",
+             "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2",
+             "--pp", "2", "--device", "cpu", "--timeout-minutes", "4",
+             "--work-dir", tmp_path / "work", "--output", out, timeout=600)
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["strategy"] for r in rows] == ["packing+segment-attn", "dynamic"]

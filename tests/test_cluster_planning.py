@@ -217,7 +217,8 @@ def test_training_flags_for_cluster_planning(capsys):
 
 @pytest.mark.slow
 def test_the_scale_simulation_plans_and_delivers_with_the_real_code():
-    from tools.bench_cluster_planning import markdown, simulate
+    from dynapipe_ext.plan.cluster_projection import markdown
+    from megatron.planning.cluster_sim import simulate
     # 2 "nodes" of 1 rank each plan 2 replicas apiece of a 4-replica paper-GPT layout
     sims = [simulate(2, 1, 65536, 4, iterations=2, timeout_s=300)]
     sim = sims[0]

@@ -1,4 +1,4 @@
-from tools.doc_sections import replace_section, section_markers, write_section
+from dynapipe_ext.report.doc_sections import replace_section, section_markers, write_section
 
 
 def test_replace_section_changes_only_its_own_markers():

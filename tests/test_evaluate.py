@@ -79,8 +79,9 @@ def test_converted_gpt2_loss_and_logits_are_those_of_transformers(converted,
     assert record["batches"] == 2 and record["loss_tokens"] > 0
     assert record["ppl"] == pytest.approx(np.exp(record["loss"]), rel=1e-12)
 
-    from tools.evaluate import evaluation_config, split_args
-    cfg = evaluation_config("gpt", split_args(args)[1])
+    from megatron.training.evaluation import evaluation_config
+    assert args[:2] == ["--model", "gpt"]      # the tool's own flag; the rest are the trainer's
+    cfg = evaluation_config("gpt", args[2:])
     assert record["loss"] == pytest.approx(transformers_loss(model, cfg), rel=1e-5)
 
     printed = [json.loads(line) for line in lines[1:]]

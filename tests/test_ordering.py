@@ -12,7 +12,7 @@ from dynapipe_ext.batching.ordering import (T5_ORDERS, cluster_tsp_order, groups
                                    refine_groups, t5_order)
 from dynapipe_ext.batching.planners import (PlannerConfig, PlanningContext, SegmentTable,
                                    _segment_time_fn, memory_limit_of, plan_micro_batches)
-from tools.bench_planner import DEVICE, T5_SPEC, multitask_t5_batch
+from dynapipe_ext.batching.synthetic import DEVICE, T5_SPEC, multitask_t5_batch
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 17, 300])

@@ -371,7 +371,7 @@ REFERENCE_SPFHP_PACKS = {
 
 @pytest.mark.parametrize("name,depth", sorted(REFERENCE_SPFHP_PACKS))
 def test_spfhp_reproduces_reference_pack_counts(name, depth):
-    from tools.pack_histogram import reference_histograms_path
+    from dynapipe_ext.batching.histograms import reference_histograms_path
     histograms = reference_histograms_path()
     if histograms is None:
         pytest.skip("Krell et al.'s length_histograms.json is not beside this checkout")
@@ -389,7 +389,8 @@ def test_spfhp_reproduces_reference_pack_counts(name, depth):
 
 
 def test_histogram_packer_table_shows_nnlshp_and_refusals():
-    from tools.bench_planner import HISTOGRAM_PACKERS, packing_markdown
+    from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS
+    from dynapipe_ext.report.packing_table import packing_markdown
     rows = [dict(name="toy", depth=3, algorithm=a, packs=10 + k, efficiency=0.9 + k / 100)
             for k, a in enumerate(HISTOGRAM_PACKERS)]
     rows += [dict(name="toy", depth=16, algorithm=a, packs=None if a == "nnlshp" else 9,

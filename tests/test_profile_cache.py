@@ -22,6 +22,12 @@ from tests.multiproc import free_port, run_in_processes, single_process_world
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_tool(*args, timeout=120):
+    """A tool as a command (`args` from its path on), from the repository root; fails the test
+    on a non-zero exit."""
+    subprocess.run([sys.executable, *map(str, args)], cwd=REPO, check=True, timeout=timeout)
+
+
 def run_config(cache_dir, *extra, model="gpt"):
     lengths = (["--encoder-seq-length", "32", "--decoder-seq-length", "16"] if model == "t5"
                else ["--seq-length", "64"])
@@ -268,44 +274,40 @@ def test_pretrain_profiles_on_first_run_and_reuses_on_the_second(tmp_path):
 
 @pytest.mark.slow
 def test_throughput_bench_plans_with_the_profile(tmp_path):
-    sys.path.insert(0, REPO)
-    from tools import bench_throughput, make_flan_sample, preprocess_flan, train_tokenizer
-    assert make_flan_sample.main(["--output", str(tmp_path / "flan.jsonl"), "--num-samples",
-                                  "200", "--seed", "5"]) == 0
-    assert train_tokenizer.main(["--input", str(tmp_path / "flan.jsonl"), "--model-prefix",
-                                 str(tmp_path / "sp"), "--vocab-size", "600"]) == 0
-    assert preprocess_flan.main(["--input", str(tmp_path / "flan.jsonl"), "--output-prefix",
-                                 str(tmp_path / "flan"), "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model",
-                                 str(tmp_path / "sp.model"), "--no-progress"]) == 0
+    from dynapipe_ext.report.throughput import report_markdown
+    run_tool("tools/make_flan_sample.py", "--output", tmp_path / "flan.jsonl", "--num-samples",
+             "200", "--seed", "5")
+    run_tool("tools/train_tokenizer.py", "--input", tmp_path / "flan.jsonl", "--model-prefix",
+             tmp_path / "sp", "--vocab-size", "600")
+    run_tool("tools/preprocess_flan.py", "--input", tmp_path / "flan.jsonl", "--output-prefix",
+             tmp_path / "flan", "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", tmp_path / "sp.model", "--no-progress")
     out, cache = tmp_path / "bench.json", tmp_path / "cache"
-    assert bench_throughput.main([
-        "--data-path", str(tmp_path / "flan"), "--tokenizer-model", str(tmp_path / "sp.model"),
-        "--models", "t5", "--max-lengths", "128", "--tokens-per-global-batch", "512",
-        "--strategies", "dynamic", "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
-        "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2", "--pp", "2",
-        "--device", "cpu", "--timeout-minutes", "4", "--cost-model", "profile",
-        "--cost-model-cache-dir", str(cache), "--work-dir", str(tmp_path / "work"),
-        "--output", str(out)]) == 0
+    run_tool("tools/bench_throughput.py",
+             "--data-path", tmp_path / "flan", "--tokenizer-model", tmp_path / "sp.model",
+             "--models", "t5", "--max-lengths", "128", "--tokens-per-global-batch", "512",
+             "--strategies", "dynamic", "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2", "--pp", "2",
+             "--device", "cpu", "--timeout-minutes", "4", "--cost-model", "profile",
+             "--cost-model-cache-dir", cache, "--work-dir", tmp_path / "work",
+             "--output", out, timeout=600)
     result = json.loads(out.read_text())
     assert "error" not in result["rows"][0] and result["rows"][0]["tokens_per_s"] > 0
     assert result["settings"]["cost_model"] == "profile"
     [profile] = cache.glob("t5-*.json")
     assert load_profile(profile).key["model"] == "t5"
-    assert "the run's profile (--cost-model profile)" in bench_throughput.report_markdown(
-        result, {})
+    assert "the run's profile (--cost-model profile)" in report_markdown(result, {})
 
 
 @pytest.mark.slow
 def test_check_tool_compares_both_models_with_measured_times(tmp_path):
-    sys.path.insert(0, REPO)
-    from tools import check_cost_model
     argv = ["t5", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
             "--encoder-seq-length", "64", "--decoder-seq-length", "16",
             "--tokens-per-global-batch", "256", "--vocab-size", "128",
             "--cost-model-cache-dir", str(tmp_path), "--shapes", "1x64x16,4x16x8,2x40x12",
             "--repeats", "1", "--output", str(tmp_path / "check.json")]
-    result = check_cost_model.main(argv)
+    run_tool("tools/check_cost_model.py", *argv, timeout=300)
+    result = json.loads((tmp_path / "check.json").read_text())
     assert [(r["rows"], r["seq_len"], r["dec_seq_len"]) for r in result["shapes"]] == [
         (1, 64, 16), (4, 16, 8), (2, 40, 12)]
     for row in result["shapes"]:
@@ -314,6 +316,8 @@ def test_check_tool_compares_both_models_with_measured_times(tmp_path):
     assert result["summary"]["profile"]["max_shape_error_pct"] >= \
         result["summary"]["profile"]["median_shape_error_pct"]
     # --measured takes the times from the earlier output instead of timing again
-    again = check_cost_model.main(argv[:-2] + ["--measured", str(tmp_path / "check.json")])
+    run_tool("tools/check_cost_model.py", *argv[:-2], "--measured", tmp_path / "check.json",
+             "--output", tmp_path / "again.json", timeout=300)
+    again = json.loads((tmp_path / "again.json").read_text())
     assert [r["measured_cpu_ms"] for r in again["shapes"]] == \
         [r["measured_cpu_ms"] for r in result["shapes"]]

@@ -5,8 +5,9 @@ import pytest
 from dynapipe_ext.costs.cost_profile import (FIELDS, CostProfile, LayerTable, layer_axes,
                                        profile_key, profile_kinds)
 from dynapipe_ext.costs.model_spec import GPT_LAYER, HEAD, ModelSpec
-from tools.project_paper_scale import (FittedLawCostModel, fit_cost_laws, fit_nonnegative,
-                                       law_features, project)
+from dynapipe_ext.costs.fitted_cost_model import (FittedLawCostModel, fit_cost_laws,
+                                                  fit_nonnegative, law_features)
+from dynapipe_ext.plan.paper_projection import project
 
 GRID = {"rows": [1.0, 2.0, 4.0], "seq_len": [32.0, 128.0, 512.0], "dec_seq_len": [16.0, 64.0]}
 
@@ -96,8 +97,8 @@ def test_fitted_cost_model_scales_to_a_larger_model_and_projection_runs():
 
 def test_fitted_projection_from_profile_files_renders_its_labelled_table(tmp_path):
     from dynapipe_ext.costs.cost_profile import save_profile
-    from tools.bench_throughput import cpu_fit_section
-    from tools.project_paper_scale import project_fitted
+    from dynapipe_ext.plan.paper_projection import project_fitted
+    from dynapipe_ext.report.throughput import cpu_fit_section
     paths = []
     for h, a in ((64, 2), (128, 4)):
         profile, _ = synthetic_profile(small_spec("t5", h, a))

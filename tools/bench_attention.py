@@ -16,90 +16,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from megatron.model.tensor_bench import bench_tensors, time_ms  # noqa: E402
+from tools.benchlib.ports import free_port  # noqa: E402
+from tools.benchlib.workloads import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 16, 64
 # the last builder with dense masks, for --baseline-builder
 OLD_BUILDER = "git show 5844704:megatron/model/batch_tensors.py > /tmp/old_batch_tensors.py"
-
-
-def load_builder(path: str | None):
-    """build_micro_batch of this tree, or of the module file at `path`."""
-    if path is None:
-        from megatron.model.batch_tensors import build_micro_batch
-        return build_micro_batch
-    spec = importlib.util.spec_from_file_location("baseline_batch_tensors", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_micro_batch
-
-
-def tensor_cases(seed: int = 0):
-    """(name, model, MicroBatch, samples) of the measured micro-batches."""
-    from dynapipe_ext.batching.microbatch import MicroBatch
-    rng = np.random.default_rng(seed)
-
-    def gpt(n):
-        return rng.integers(1, 30000, n), rng.integers(1, 30000, n), np.ones(n, np.float32)
-
-    def t5(ne, nd):
-        return (rng.integers(1, 30000, ne), rng.integers(1, 30000, nd),
-                rng.integers(1, 30000, nd), np.ones(nd, np.float32))
-
-    return [
-        ("GPT 4x2048", "gpt", MicroBatch(rows=tuple((i,) for i in range(4)), seq_len=2048),
-         {i: gpt(2048 - 100 * i) for i in range(4)}),
-        ("GPT 1x8192", "gpt", MicroBatch(rows=((0,),), seq_len=8192), {0: gpt(8000)}),
-        ("GPT 1x8192 packed (16 samples)", "gpt",
-         MicroBatch(rows=(tuple(range(16)),), seq_len=8192), {i: gpt(500) for i in range(16)}),
-        ("T5 4x(2048, 512)", "t5",
-         MicroBatch(rows=tuple((i,) for i in range(4)), seq_len=2048, dec_seq_len=512),
-         {i: t5(2048 - 100 * i, 512 - 20 * i) for i in range(4)}),
-    ]
-
-
-def time_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def batch_bytes(batch) -> int:
-    total = 0
-    for value in batch.values():
-        tensor = getattr(value, "ids", value)
-        total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def bench_tensors(builder_path: str | None, repeats: int) -> list[dict]:
-    new, old = load_builder(None), load_builder(builder_path) if builder_path else None
-    rows = []
-    for name, model, mb, samples in tensor_cases():
-        row = {"case": name}
-        for label, build in (("after", new), ("before", old)):
-            if build is None:
-                continue
-            row[f"{label}_ms"] = time_ms(lambda: build(mb, samples, model, 0), repeats)
-            row[f"{label}_bytes"] = batch_bytes(build(mb, samples, model, 0))
-        rows.append(row)
-    return rows
 
 
 def saved_bytes(fn) -> int:
@@ -126,7 +60,6 @@ def bench_attention(lengths, repeats: int) -> list[dict]:
     from megatron.model.attention import AttentionMask, SDPAttention, Segments
     from megatron.model.stages import build_transformer_config
     from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
-    from tools.profile_cost_model import free_port
     torch.set_num_threads(1)
     spec = ModelSpec("gpt", 1, HEADS * HEAD_DIM, HEADS, 1024, max_position_embeddings=8192)
     rows = []
@@ -157,7 +90,6 @@ def bench_attention(lengths, repeats: int) -> list[dict]:
 
 
 def markdown(tensor_rows, attention_rows, command: str) -> str:
-    from tools.bench_planner import machine
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"Command: `{command}`  ", f"Date: {when}  ", f"Machine: {machine()}", "",
              "Micro-batch tensors (build_micro_batch, every key, median ms; before = the "
@@ -200,7 +132,6 @@ def main(argv=None) -> int:
     body = markdown(tensor_rows, attention_rows, command.strip())
     print(body)
     if args.write_doc:
-        from tools.doc_sections import write_section
         write_section(REPO / "docs" / "BENCHMARKS.md", "attention",
                       "Attention and micro-batch tensors", body)
     return 0

@@ -65,7 +65,7 @@ def _worker(rank, port, argv, slowdown, busy_pid, period, out):
 def run(name: str, mode: str, iters: int, slowdown: str = "", busy_pid=None, period=0,
         extra=()) -> list[dict]:
     import multiprocessing as mp
-    from tests.multiproc import free_port
+    from tools.benchlib.ports import free_port
     argv = ["--tp-balance", mode, "--train-iters", str(iters), "--pin-cores", *extra]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -248,7 +248,7 @@ def main() -> None:
     phase_rows = onoff_table(onoff)
     print(phase_rows)
     if args.write_doc:
-        from tools.doc_sections import write_section
+        from dynapipe_ext.report.doc_sections import write_section
         write_section(docs / "BENCHMARKS.md", "flextp", "FlexTP: straggler-tolerant tensor "
                       "parallelism", doc_text(args, table, phase_rows, steady, extra, load))
 
@@ -366,7 +366,7 @@ def loss_main(args) -> None:
     plot_loss_seeds(losses, docs / "flextp_loss_seeds.png")
     print(table)
     if args.write_doc:
-        from tools.doc_sections import write_section
+        from dynapipe_ext.report.doc_sections import write_section
         write_section(docs / "BENCHMARKS.md", "flextp-loss", "FlexTP: loss over seeds",
                       loss_doc_text(args, table, summary, load))
 

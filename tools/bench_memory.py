@@ -19,7 +19,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 TARGET = 0.15          # the target: within 15%
 MODES = ("none", "selective", "full")
@@ -116,17 +115,14 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=str(REPO / "docs" / "BENCHMARKS.md"),
                    help="markdown file whose `memory` section is rewritten ('' to skip)")
     args = p.parse_args(argv)
-    import socket
-
     import torch
-    from doc_sections import write_section
 
+    from dynapipe_ext.report.doc_sections import write_section
     from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
+    from tools.benchlib.ports import free_port
     torch.set_num_threads(1)
     if "WORLD_SIZE" not in os.environ:          # a world of one process on a free local port
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     setup_model_parallel(1, 1, seed=1)
     try:
         rows = measure(args.max_lens)

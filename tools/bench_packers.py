@@ -25,9 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dynapipe_ext.batching.packing import pack_pairs, pack_sequences  # noqa: E402
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow  # noqa: E402
-from tools.doc_sections import write_section  # noqa: E402
-
-PACKERS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from dynapipe_ext.report.packing_table import PACKERS, packed_rows  # noqa: E402
 
 
 def decoder_length(max_len: int) -> int:
@@ -193,18 +192,6 @@ def load_timed(paths) -> list[dict]:
                             "num_layers", "hidden_size", "pp", "tokens_per_global_batch",
                             "warmup_iters", "iters", "train_args")}})
     return out
-
-
-def packed_rows(shapes: str) -> int | None:
-    """Rows of one iteration from its shapes summary ('5*1x2048', '2*2x512/128 1x512/128');
-    None when the summary is cut short ('(+N more)')."""
-    if "more)" in shapes:
-        return None
-    total = 0
-    for part in shapes.split():
-        count, _, shape = part.rpartition("*")
-        total += int(count or 1) * int(shape.split("x")[0])
-    return total
 
 
 def timed_markdown(timed: list[dict]) -> str:

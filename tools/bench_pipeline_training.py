@@ -26,32 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.doc_sections import write_section  # noqa: E402
-
-DATA = ["--data-path", "data/quickstart/flan", "--tokenizer-type", "SentencePieceTokenizer",
-        "--tokenizer-model", "data/quickstart/sp.model"]
-MODELS = {
-    "gpt": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-            "--seq-length", "512", "--tokens-per-global-batch", "8192", "--lr", "3e-3"],
-    "t5": ["--encoder-num-layers", "2", "--decoder-num-layers", "2", "--hidden-size", "128",
-           "--num-attention-heads", "4", "--encoder-seq-length", "512",
-           "--decoder-seq-length", "128", "--tokens-per-global-batch", "4096", "--lr", "1e-3"],
-}
-SCHEDULES = {
-    "1f1b": ["--pipeline-schedule", "1f1b"],
-    "adaptive": ["--pipeline-schedule", "adaptive"],
-    "interleaved v=2": ["--pipeline-schedule", "interleaved",
-                        "--num-virtual-stages-per-pipeline-rank", "2"],
-    "wave W=1": ["--pipeline-schedule", "wave", "--pipeline-waves", "1"],
-    "auto": ["--pipeline-schedule", "auto"],
-}
-COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batching", "dynamic",
-          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
-
-
-def run_argv(model: str, schedule: str, iters: int, stats: Path) -> list[str]:
-    return (DATA + MODELS[model] + COMMON + SCHEDULES[schedule]
-            + ["--train-iters", str(iters), "--stats-file", str(stats)])
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from megatron.training.schedule_bench import MODELS, SCHEDULES, run_argv  # noqa: E402
 
 
 def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[dict]:

@@ -28,7 +28,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -39,68 +38,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
-from tools.doc_sections import write_section  # noqa: E402
-from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
+from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS  # noqa: E402
 from dynapipe_ext.batching.planners import (PlannerConfig, effective_lengths,  # noqa: E402
                                    plan_metrics, plan_micro_batches)
+from dynapipe_ext.batching.synthetic import (DEVICE, GPT_SPEC, T5_SPEC, global_batch,  # noqa: E402
+                                             multitask_t5_batch)
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from dynapipe_ext.report.packing_table import packing_markdown  # noqa: E402
+from tools.benchlib.workloads import machine  # noqa: E402
 
 STRATEGY_ORDER = ("padding", "token-budget", "packing", "dynamic")
-
-# Model shapes used for costing (a ~1.3B GPT and a T5-large-like encoder-decoder); layer counts
-# divide evenly by 1, 2, 4 and 8 stages.
-GPT_SPEC = ModelSpec("gpt", num_layers=24, hidden_size=2048, num_attention_heads=16,
-                     vocab_size=50257, max_position_embeddings=8192)
-T5_SPEC = ModelSpec("t5", num_layers=12, hidden_size=1024, num_attention_heads=16,
-                    vocab_size=32128, num_decoder_layers=12, max_position_embeddings=8192)
-DEVICE = dict(device_flops=120e12, device_mem_bytes=40 * 2**30, dtype_bytes=2,
-              bytes_per_param_state=16)
-
-
-def flan_like_lengths(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded stand-in for FLANv2 token lengths: (input, target) pairs. Inputs: a lognormal
-    body (median ~180 tokens) plus 4% long-document tasks (median ~1,600, tail past 8k);
-    targets: lognormal, median ~20 tokens, a few hundred at most in practice."""
-    rng = np.random.default_rng(seed)
-    body = np.exp(rng.normal(np.log(180), 0.9, n))
-    long_doc = np.exp(rng.normal(np.log(1600), 0.7, n))
-    inputs = np.where(rng.random(n) < 0.04, long_doc, body).astype(np.int64) + 4
-    targets = np.exp(rng.normal(np.log(20), 1.1, n)).astype(np.int64) + 1
-    return inputs, targets
-
-
-def global_batch(model: str, tokens: int, max_len: int, max_dec: int, seed: int) -> np.ndarray:
-    """Samples in draw order until the (truncated) tokens reach `tokens`: GPT lengths
-    input + target + EOD, T5 (input, target + 1) pairs."""
-    inputs, targets = flan_like_lengths(4 * tokens // 50 + 100, seed)
-    if model == "gpt":
-        lengths = np.minimum(inputs + targets + 1, max_len)
-        take = int(np.searchsorted(np.cumsum(lengths), tokens, side="right"))
-        return lengths[:take]
-    enc, dec = np.minimum(inputs, max_len), np.minimum(targets + 1, max_dec)
-    take = int(np.searchsorted(np.cumsum(enc), tokens, side="right"))
-    return np.stack([enc[:take], dec[:take]], axis=1)
-
-
-def multitask_t5_batch(seed: int, tokens: int = 65536, num_tasks: int = 40, max_len: int = 2048,
-                       max_dec: int = 512) -> np.ndarray:
-    """Seeded FLAN-like multi-task T5 global batch, (encoder, decoder) lengths: each task has
-    its own lognormal input and target lengths (medians spread over ~20-2,000 and ~2-200
-    tokens, narrow or wide per task) and mixing weight; samples are drawn until the encoder
-    tokens reach `tokens`. Clusters of tasks with different shapes are what makes the T5
-    order matter."""
-    rng = np.random.default_rng(seed)
-    enc_med = np.exp(rng.normal(np.log(200), 1.0, num_tasks))
-    dec_med = np.exp(rng.normal(np.log(20), 1.1, num_tasks))
-    enc_sig, dec_sig = rng.uniform(0.1, 0.7, num_tasks), rng.uniform(0.1, 0.9, num_tasks)
-    weights = rng.dirichlet(np.ones(num_tasks))
-    n = 4 * tokens // 20 + 100
-    task = rng.choice(num_tasks, size=n, p=weights)
-    enc = np.clip(np.exp(rng.normal(np.log(enc_med[task]), enc_sig[task])), 4, max_len)
-    dec = np.clip(np.exp(rng.normal(np.log(dec_med[task]), dec_sig[task])), 1, max_dec)
-    enc, dec = enc.astype(np.int64), dec.astype(np.int64)
-    take = int(np.searchsorted(np.cumsum(enc), tokens, side="right"))
-    return np.stack([enc[:take], dec[:take]], axis=1)
-
 
 def bench_point(model: str, tokens: int, max_len: int, stages: int, repeats: int,
                 seed: int) -> list[dict]:
@@ -184,22 +131,6 @@ def grid(quick: bool) -> list[tuple[str, int, int, int]]:
         for stages in (1, 2, 8):
             points.append((model, 65536, 4096, stages))
     return points
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ""
-    if hasattr(os, "getloadavg"):
-        load = f", load average {os.getloadavg()[0]:.1f} at the end of the run"
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, "
-            f"numpy {np.__version__}, 1 thread{load}")
 
 
 def markdown(rows: list[dict], command: str, when: str, where: str) -> str:
@@ -509,15 +440,12 @@ def replica_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-HISTOGRAM_PACKERS = ("spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
-
-
 def packing_rows() -> list[dict]:
     """Pack counts of the histogram packers on Krell et al.'s public Wikipedia and SQuAD
     length histograms at depths 3 and 16 (the reference SPFHP's counts are pinned in
     tests/test_packing.py). NNLSHP's system at depth 16 is too big to solve: packs None."""
+    from dynapipe_ext.batching.histograms import load_histogram, reference_histograms_path
     from dynapipe_ext.batching.packing import pack_histogram
-    from tools.pack_histogram import load_histogram, reference_histograms_path
     histograms = reference_histograms_path()
     if histograms is None:
         print("[bench] packer table skipped: no length_histograms.json (set "
@@ -525,7 +453,10 @@ def packing_rows() -> list[dict]:
         return []
     rows = []
     for name in ("wikipedia_bert_512", "squad_1_1_384"):
-        hist, max_len = load_histogram(histograms, name)
+        try:
+            hist, max_len = load_histogram(histograms, name)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
         for depth in (3, 16):
             for algorithm in HISTOGRAM_PACKERS:
                 t0 = time.process_time()
@@ -539,29 +470,6 @@ def packing_rows() -> list[dict]:
                                  packs=packing.packs, efficiency=packing.efficiency,
                                  cpu_ms=1e3 * (time.process_time() - t0)))
     return rows
-
-
-def packing_markdown(rows: list[dict]) -> str:
-    lines = ["", "### Histogram packers on the public length histograms", "",
-             "Krell et al.'s Wikipedia (BERT, 512) and SQuAD 1.1 (384) histograms "
-             "(`shared/benchmarks/length_histograms.json`, not shipped). `spfhp` is the reference algorithm (one new "
-             "pack per sequence that fits nowhere); `spfhp-grouped` lets a new pack take "
-             "several sequences of the length that opened it. The `spfhp` counts equal those of "
-             "the reference code's `pack_using_spfhp`, pinned in tests/test_packing.py. "
-             "`nnlshp` at depth 16 has too many exact-fill strategies to solve (refused, -). "
-             "Per-packer efficiency on the FLAN-like sample, GPT and T5, per batch and "
-             "dataset-level: \"Packers: per batch and dataset-level\" below.", "",
-             "| histogram | depth | spfhp | spfhp-grouped | lpfhp | nnlshp | "
-             "efficiency spfhp / grouped / lpfhp / nnlshp |", "|---|---:|---:|---:|---:|---:|---:|"]
-    by = {(r["name"], r["depth"], r["algorithm"]): r for r in rows}
-    for name, depth in dict.fromkeys((r["name"], r["depth"]) for r in rows):
-        cells = [by[name, depth, a] for a in HISTOGRAM_PACKERS]
-        lines.append(f"| {name} | {depth} | "
-                     + " | ".join("-" if c["packs"] is None else str(c["packs"])
-                                  for c in cells) + " | "
-                     + " / ".join("-" if c["efficiency"] is None else f"{c['efficiency']:.4f}"
-                                  for c in cells) + " |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -621,10 +529,12 @@ def main(argv=None) -> int:
                                                    replica_rows=balance_rows,
                                                    packing_rows=pack_rows),
                                               indent=1) + "\n")
-    if args.schedules:
-        from tools.bench_schedules import main as bench_schedules_main
-        bench_schedules_main((["--quick"] if args.quick else []) + ["--seed", str(args.seed)]
-                             + (["--no-write"] if args.no_write else []))
+    if args.schedules:      # its own process: no tool imports another
+        import subprocess
+        sys.stdout.flush()
+        subprocess.run([sys.executable, str(REPO / "tools" / "bench_schedules.py")]
+                       + (["--quick"] if args.quick else []) + ["--seed", str(args.seed)]
+                       + (["--no-write"] if args.no_write else []), check=True)
     return 0
 
 

@@ -32,7 +32,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
-from tools.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.plan.lowering import lower  # noqa: E402
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 from dynapipe_ext.plan.plan_checker import check_plans  # noqa: E402
@@ -40,9 +39,10 @@ from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches  # 
 from dynapipe_ext.schedule.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
                                           micro_batch_costs, search_schedule)
 from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
-from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
 from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts  # noqa: E402
-from tools.bench_planner import flan_like_lengths, machine  # noqa: E402
+from dynapipe_ext.batching.synthetic import flan_like_lengths  # noqa: E402
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from tools.benchlib.workloads import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = ModelSpec("gpt", num_layers=32, hidden_size=2048, num_attention_heads=16, vocab_size=32000)
@@ -52,7 +52,7 @@ MAX_SEQ_LEN = 2048
 
 def flan_like_gpt_lengths(num_samples: int, seed: int) -> np.ndarray:
     """GPT sample lengths (input + target + EOD, truncated to MAX_SEQ_LEN) from
-    tools/bench_planner.py's seeded FLAN-like generator."""
+    the seeded FLAN-like generator (dynapipe_ext.batching.synthetic)."""
     inputs, targets = flan_like_lengths(num_samples, seed)
     return np.minimum(inputs + targets + 1, MAX_SEQ_LEN)
 

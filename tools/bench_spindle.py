@@ -21,7 +21,7 @@ from dynapipe_ext.spindle.checker import check_wave_plan  # noqa: E402
 from dynapipe_ext.spindle.configs import (CONFIGS, FULL_RECOMPUTE, Accelerator,  # noqa: E402
                                           simulated_estimator)
 from dynapipe_ext.spindle.scheduler import Cluster, compare, spindle_plan  # noqa: E402
-from tools.doc_sections import write_section  # noqa: E402
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_BYTES = 80 * 2**30

@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     from megatron.planning import device_costs
     from megatron.base.distributed_setup import setup_model_parallel, teardown_model_parallel
     from megatron.training.training import model_spec
-    from tools.profile_cost_model import free_port
+    from tools.benchlib.ports import free_port
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spec = model_spec(cfg, args.vocab_size)

@@ -19,7 +19,6 @@ is the greedy next token. It needs --pipeline-model-parallel-size 1 (any TP).
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --tensor-model-parallel-size 2
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -37,21 +36,6 @@ def split_args(argv):
     own.add_argument("--logits-top-k", type=int, default=5, metavar="K")
     own.add_argument("-h", "--help", action="store_true")
     return own.parse_known_args(argv)
-
-
-def evaluation_config(model: str, argv):
-    """The trainer's config for evaluating --load: weights only (--finetune), validation on
-    every call, no saving, planning inline. --train-iters is not needed (1 unless given)."""
-    from megatron.training.arguments import ConfigError, parse_args
-    cfg = parse_args(model, ["--train-iters", "1", "--num-planner-workers", "0", *argv],
-                     prog="tools/evaluate.py")
-    if not cfg.load:
-        raise ConfigError("--load DIR is required: the checkpoint to evaluate")
-    if cfg.save:
-        raise ConfigError("--save: evaluation writes no checkpoint")
-    valid = cfg.valid_data_path or (None if cfg.split else cfg.data_path)
-    return dataclasses.replace(cfg, finetune=True, no_load_optim=False, no_load_rng=False,
-                               valid_data_path=valid, eval_interval=1, save_interval=0)
 
 
 def print_logits(run, count: int, top_k: int) -> list[dict]:
@@ -101,6 +85,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings(     # as pretrain_*.py: megatron-core's notes on optional packages
         "ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     from megatron.training.arguments import ConfigError
+    from megatron.training.evaluation import evaluation_config
     from megatron.training.pretrain import REPORT_GRACE_S, parse_flags_once, report_failure
     from megatron.training.training import (RunSetupError, TrainingFailed, build_run,
                                             evaluate_or_fail)

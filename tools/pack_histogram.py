@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dynapipe_ext.batching.histograms import load_histogram  # noqa: E402
 from dynapipe_ext.batching.packing import (ALGORITHMS, count_next_fit_rows, histogram_of,  # noqa: E402
                                   pack_histogram)
 
@@ -27,43 +28,6 @@ def dataset_histogram(prefix: str, seq_length: int) -> tuple[np.ndarray, int]:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--from-dataset {prefix}: {exc}") from None
     return histogram_of(dataset.gpt_lengths(seq_length), seq_length), seq_length
-
-
-HISTOGRAMS_ENV = "DYNAPIPE_LENGTH_HISTOGRAMS"
-
-
-def reference_histograms_path() -> Path | None:
-    """Krell et al.'s public length histograms (Wikipedia, SQuAD). Third-party data, so not in
-    the repository: $DYNAPIPE_LENGTH_HISTOGRAMS, else shared/benchmarks/length_histograms.json
-    beside the checkout; None when neither exists."""
-    import os
-    candidates = [os.environ.get(HISTOGRAMS_ENV),
-                  Path(__file__).resolve().parent.parent.parent / "shared" / "benchmarks"
-                  / "length_histograms.json"]
-    found = [Path(c) for c in candidates if c and Path(c).is_file()]
-    return found[0] if found else None
-
-
-def load_histogram(path: Path, name: str) -> tuple[np.ndarray, int]:
-    """(hist indexed by length, max_len) of entry `name` in a histograms JSON file."""
-    if not path.is_file():
-        raise SystemExit(f"--histograms {path}: no such file. Pack the lengths of a dataset "
-                         f"you have instead with --from-dataset PREFIX (e.g. data/quickstart/"
-                         f"flan after examples/quickstart.sh)")
-    with open(path) as f:
-        data = json.load(f)
-    entries = [k for k, v in data.items() if isinstance(v, dict) and "counts" in v]
-    if name not in entries:
-        raise SystemExit(f"{path}: no histogram named {name!r}; it holds {entries}")
-    entry = data[name]
-    counts = np.asarray(entry["counts"], dtype=np.int64)
-    max_len = int(entry.get("max_len", counts.size))
-    if counts.size != max_len:
-        raise SystemExit(f"{path}: histogram {name!r} has {counts.size} counts but max_len "
-                         f"{max_len}")
-    hist = np.zeros(max_len + 1, dtype=np.int64)
-    hist[1:] = counts
-    return hist, max_len
 
 
 def next_fit_figures(hist: np.ndarray, row_len: int, max_depth: int | None,
@@ -101,7 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.histograms is not None:
         if not args.name:
             parser.error("--histograms needs --name")
-        hist, max_len = load_histogram(args.histograms, args.name)
+        try:
+            hist, max_len = load_histogram(args.histograms, args.name)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     else:
         hist, max_len = dataset_histogram(args.from_dataset, args.seq_length)
         args.name = args.from_dataset

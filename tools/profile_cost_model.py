@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dynapipe_ext.costs.cost_profile import (  # noqa: E402
     RECOMPUTE_MODES, CostProfile, profile_file_name, profile_key, save_profile)
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from tools.benchlib.ports import free_port  # noqa: E402
 
 
 def int_list(text: str) -> list[int]:
@@ -102,12 +100,6 @@ def model_spec(args) -> ModelSpec:
                      if args.model == "t5" else 0,
                      ffn_hidden_size=args.ffn_hidden_size,
                      max_position_embeddings=args.max_position_embeddings)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_point(log):

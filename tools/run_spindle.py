@@ -29,8 +29,8 @@ from megatron.spindle.mt_model import (TinyMTConfig, build_components,  # noqa: 
                                        describe, loss_normaliser, task_data)
 from megatron.spindle.runtime import WaveRuntime  # noqa: E402
 from megatron.base.distributed_setup import end_process, setup_model_parallel  # noqa: E402
-from tools.bench_planner import machine  # noqa: E402
-from tools.doc_sections import write_section  # noqa: E402
+from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from tools.benchlib.workloads import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("spindle", "uniform")

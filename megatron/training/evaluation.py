@@ -15,6 +15,7 @@ measured and reported apart: the training iterations' tokens/s never include it.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -28,6 +29,21 @@ from dynapipe_ext.plan.serialization import plan_from_bytes
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.training.handlers import micro_batch_order
 from megatron.training.train_logging import ValidationStats
+
+
+def evaluation_config(model: str, argv):
+    """The trainer's config for evaluating --load: weights only (--finetune), validation on
+    every call, no saving, planning inline. --train-iters is not needed (1 unless given)."""
+    from megatron.training.arguments import ConfigError, parse_args
+    cfg = parse_args(model, ["--train-iters", "1", "--num-planner-workers", "0", *argv],
+                     prog="tools/evaluate.py")
+    if not cfg.load:
+        raise ConfigError("--load DIR is required: the checkpoint to evaluate")
+    if cfg.save:
+        raise ConfigError("--save: evaluation writes no checkpoint")
+    valid = cfg.valid_data_path or (None if cfg.split else cfg.data_path)
+    return dataclasses.replace(cfg, finetune=True, no_load_optim=False, no_load_rng=False,
+                               valid_data_path=valid, eval_interval=1, save_interval=0)
 
 
 class ValidationPlanningError(RuntimeError):

@@ -1,0 +1,106 @@
+"""Reading a FlexTP training run for tools/bench_flextp_trainer.py: the iterations of its
+--stats-file, the balancer's change lines in its log, the final partition, the ideal time of a
+straggler run (work split by speed) and the table of the runs. Plain Python."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import statistics
+
+FACTOR = 2         # the straggler's slowdown in the benchmark's runs
+LOSS_WINDOW = 10   # iterations averaged into the final loss
+CHANGE = re.compile(r"\[flextp\] iteration (\d+) \(pipeline rank \d+\): (.*); units per TP rank "
+                    r"(\{.*?\}), skipped per layer (\{.*?\}); stragglers \(TP ranks\) (\[.*?\])")
+
+
+def iteration_records(lines, where: str = "stats file") -> list[dict]:
+    """The training records of a --stats-file (JSON lines): iteration, seconds, loss, in
+    order; validation records are left out."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}, line {n}: not JSON ({exc})") from None
+        if "validation" in rec:
+            continue
+        if not {"iteration", "iteration_s", "loss"} <= rec.keys():
+            raise ValueError(f"{where}, line {n}: no iteration / iteration_s / loss")
+        out.append({"iteration": rec["iteration"], "seconds": rec["iteration_s"],
+                    "loss": rec["loss"]})
+    return out
+
+
+def mean_seconds(records: list[dict], skip: int) -> float:
+    """Mean seconds per iteration after the first `skip` iterations."""
+    kept = [r["seconds"] for r in records if r["iteration"] > skip]
+    if not kept:
+        raise ValueError(f"no iterations after the {skip} warm-up ones ({len(records)} in all)")
+    return statistics.mean(kept)
+
+
+def final_loss(records: list[dict], window: int = LOSS_WINDOW) -> float:
+    return statistics.mean(r["loss"] for r in records[-window:])
+
+
+def balance_changes(log: str) -> list[dict]:
+    """The balancer's change lines (megatron/flextp/stage_balance.change_line) in a run's log:
+    iteration, action, units per TP rank and units skipped per layer per TP rank, by kind."""
+    out = []
+    for m in CHANGE.finditer(log):
+        out.append({"iteration": int(m.group(1)), "action": m.group(2),
+                    "counts": ast.literal_eval(m.group(3)), "skips": ast.literal_eval(m.group(4)),
+                    "stragglers": ast.literal_eval(m.group(5))})
+    return out
+
+
+def final_partition(changes: list[dict], even: dict) -> dict:
+    """Units and skips per TP rank at the end: the last change, else the even start `even`
+    (kind -> units per rank)."""
+    if changes:
+        return {"counts": changes[-1]["counts"], "skips": changes[-1]["skips"]}
+    return {"counts": even, "skips": {k: [0] * len(v) for k, v in even.items()}}
+
+
+def ideal_seconds(no_straggler: float, even: float, factor: float) -> tuple[float, float]:
+    """(ideal, block share): the straggler's TP block share t = (even - no straggler) /
+    (factor - 1) (it does that work factor times), then the two ranks' block work 2t split by
+    speed (1 and 1/factor) takes 2 factor t / (factor + 1) instead of t."""
+    share = max(0.0, (even - no_straggler) / (factor - 1))
+    return no_straggler - share + share * 2 * factor / (factor + 1), share
+
+
+def summarize(runs: dict, skip: int) -> dict:
+    """Per configuration: the round times, their median, final loss (mean over rounds of the
+    last-window means), the last round's final partition; plus the ideal."""
+    out = {}
+    for name, rounds in runs.items():
+        times = [mean_seconds(r["records"], skip) for r in rounds]
+        out[name] = {"times": times, "median": statistics.median(times),
+                     "final_loss": statistics.mean(final_loss(r["records"]) for r in rounds),
+                     "partition": rounds[-1]["partition"],
+                     "changes": [len(r["changes"]) for r in rounds]}
+    ideal, share = ideal_seconds(out["no straggler"]["median"], out["even"]["median"], FACTOR)
+    return {"configs": out, "ideal": ideal, "block_share_s": share}
+
+
+def _units(part: dict) -> str:
+    c, s = part["counts"], part["skips"]
+    return f"{c['mlp']} / {c['attn']} (skipping {s['mlp']} / {s['attn']})"
+
+
+def render_table(summary: dict) -> str:
+    ideal = summary["ideal"]
+    rows = ["| run | s / iteration (median of rounds) | rounds | vs ideal | final loss (last "
+            f"{LOSS_WINDOW}, mean of rounds) | final mlp / attn units per TP rank (skipped per "
+            "layer) | balancer changes per round |",
+            "|---|---|---|---|---|---|---|"]
+    for name, c in summary["configs"].items():
+        rows.append(f"| {name} | {c['median']:.3f} | {', '.join(f'{t:.3f}' for t in c['times'])}"
+                    f" | {c['median'] / ideal:.2f}x | {c['final_loss']:.4f} | "
+                    f"{_units(c['partition'])} | {', '.join(map(str, c['changes']))} |")
+    rows.append(f"| ideal (work split by speed) | {ideal:.3f} | | 1.00x | | | |")
+    return "\n".join(rows)
