@@ -387,7 +387,7 @@ def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model, tm
     """tools/bench_pipeline_training.py: PP=2 with 2 stages (1f1b, adaptive, auto's default)
     and 4 virtual stages (interleaved v=2, wave W=1) of the same 4-layer model."""
     from megatron.training.arguments import pipeline_stage_count
-    from megatron.training.schedule_bench import SCHEDULES, run_argv
+    from megatron.bench.schedule_bench import SCHEDULES, run_argv
     tokenizer = tmp_path / "sp.model"      # the quickstart's data need not exist to parse
     tokenizer.write_bytes(b"")
 

@@ -299,7 +299,7 @@ def test_transformer_engine_layers_train(world):
 def test_bench_tool_times_both_builders_and_the_new_one_is_compact():
     from pathlib import Path
 
-    from megatron.model.tensor_bench import bench_tensors
+    from megatron.bench.tensor_bench import bench_tensors
     path = Path(__file__).resolve().parents[1] / "megatron" / "model" / "batch_tensors.py"
     rows = bench_tensors(str(path), repeats=1)
     assert [r["case"] for r in rows][:2] == ["GPT 4x2048", "GPT 1x8192"]

@@ -1,4 +1,4 @@
-"""Predicted vs measured activation memory (megatron/planning/memory_bench.py,
+"""Predicted vs measured activation memory (megatron/bench/memory_bench.py,
 tools/bench_memory.py): the measurement follows the plan, and the cost model is close to it."""
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ GPT = ModelSpec("gpt", 4, 128, 4, 512, max_position_embeddings=256)
 
 @pytest.fixture(scope="module")
 def gpt_rows():
-    from megatron.planning.memory_bench import predicted_vs_measured
+    from megatron.bench.memory_bench import predicted_vs_measured
     lengths = np.random.default_rng(3).integers(16, 257, size=24)
     with single_process_world(seed=1):
         return {mode: predicted_vs_measured(GPT, lengths, 256, 0, mode)

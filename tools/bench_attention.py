@@ -26,7 +26,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
-from megatron.model.tensor_bench import bench_tensors, time_ms  # noqa: E402
+from megatron.bench.tensor_bench import bench_tensors, time_ms  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 from tools.benchlib.workloads import machine  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Predicted (analytic cost model + schedule simulator) vs measured peak activation memory per
 pipeline rank for real plans on this CPU: GPT and T5, several maximum lengths, each recompute
-mode, 1F1B over 2 ranks (megatron/planning/memory_bench.py says how each side is obtained).
+mode, 1F1B over 2 ranks (megatron/bench/memory_bench.py says how each side is obtained).
 
     python tools/bench_memory.py [--max-lens 256 512 1024] [--output docs/memory_validation.json]
 
@@ -45,7 +45,7 @@ def model_spec(model: str, max_len: int):
 
 def measure(max_lens, models=("gpt", "t5"), modes=MODES, log=print) -> list[dict]:
     """One row per (model, max length, recompute mode, rank)."""
-    from megatron.planning.memory_bench import predicted_vs_measured
+    from megatron.bench.memory_bench import predicted_vs_measured
     rows = []
     for model in models:
         for max_len in max_lens:
@@ -87,7 +87,7 @@ batch of 8 x max-length tokens, every micro-batch in the recompute mode of the r
 and T5 2+2 layers, hidden 256, 4 heads, vocabulary 1024). Predicted: the analytic cost model's
 kept and transient bytes played through the schedule simulator. Measured: that rank's forwards
 and backwards replayed in the schedule's order through the real stage modules, glibc bytes in
-use after every aten op above the start (megatron/planning/memory_bench.py). `*`: outside the
+use after every aten op above the start (megatron/bench/memory_bench.py). `*`: outside the
 15% target.
 
 {table}

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
-from megatron.training.schedule_bench import MODELS, SCHEDULES, run_argv  # noqa: E402
+from megatron.bench.schedule_bench import MODELS, SCHEDULES, run_argv  # noqa: E402
 
 
 def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[dict]:
