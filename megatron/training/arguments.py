@@ -10,6 +10,7 @@ from typing import Sequence
 
 from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
 from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES
+from dynapipe_ext.costs.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS
 from megatron.data.blend import parse_data_path
@@ -193,7 +194,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if not ok:
             problems.append(message)
 
-    need(cfg.model in ("gpt", "t5"), f"model must be 'gpt' or 't5', got {cfg.model!r}")
+    need(cfg.model in MODELS, f"model must be 'gpt' or 't5', got {cfg.model!r}")
+    problems += choice_problems(cfg)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "tokens_per_global_batch", "train_iters", "log_interval",
@@ -216,8 +218,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"(GPT: --pipeline-split balanced cuts stages in half layers)")
     problems += pipeline_split_problems(cfg)
     problems += virtual_stage_problems(cfg)
-    need(cfg.normalization in ("LayerNorm", "RMSNorm"),
-         f"--normalization must be LayerNorm or RMSNorm, got {cfg.normalization!r}")
     need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
          f"--position-embedding-type {cfg.position_embedding_type} is a T5 option")
     if cfg.model == "t5":
@@ -232,10 +232,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.tokens_per_global_batch >= cfg.seq_length,
          f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one sample of "
          f"--seq-length {cfg.seq_length}")
-    need(cfg.micro_batching in MICRO_BATCHING,
-         f"--micro-batching must be one of {MICRO_BATCHING}, got {cfg.micro_batching!r}")
-    need(cfg.packing_algorithm in PACKING_ALGORITHMS,
-         f"--packing-algorithm must be one of {PACKING_ALGORITHMS}, got {cfg.packing_algorithm!r}")
     need(cfg.max_pack_depth is None or cfg.max_pack_depth >= 1,
          f"--max-pack-depth must be >= 1, got {cfg.max_pack_depth}")
     need(cfg.packing_window >= 0, f"--packing-window must be >= 0, got {cfg.packing_window}")
@@ -253,13 +249,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         need(cfg.tokens_per_global_batch >= row_tokens,
              f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one packed "
              f"row of {row_tokens} tokens (--packing-window)")
-    need(cfg.pipeline_schedule in PIPELINE_SCHEDULES,
-         f"--pipeline-schedule must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline_schedule!r}")
     need(cfg.num_planner_workers == "auto"
          or (isinstance(cfg.num_planner_workers, int) and cfg.num_planner_workers >= 0),
          f"--num-planner-workers must be >= 0 or 'auto', got {cfg.num_planner_workers!r}")
-    need(cfg.replica_split in REPLICA_SPLITS + ("auto",),
-         f"--replica-split must be one of {REPLICA_SPLITS + ('auto',)}, got {cfg.replica_split!r}")
     need(cfg.cost_model in ("analytic", "profile") or os.path.isfile(cfg.cost_model),
          f"--cost-model must be 'analytic', 'profile' or an existing profile file; "
          f"{cfg.cost_model!r} does not exist")
@@ -269,11 +261,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--distributed-timeout-minutes must be > 0, got {cfg.distributed_timeout_minutes}")
     need(cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr,
          f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr={cfg.lr} min_lr={cfg.min_lr}")
-    need(cfg.lr_decay_style in LR_DECAY_STYLES,
-         f"--lr-decay-style must be one of {LR_DECAY_STYLES}, got {cfg.lr_decay_style!r}")
-    need(cfg.lr_wsd_decay_style in LR_WSD_DECAY_STYLES,
-         f"--lr-wsd-decay-style must be one of {LR_WSD_DECAY_STYLES}, got "
-         f"{cfg.lr_wsd_decay_style!r}")
     need(cfg.lr_wsd_decay_iters >= 0,
          f"--lr-wsd-decay-iters must be >= 0, got {cfg.lr_wsd_decay_iters}")
     if cfg.lr_decay_style == "WSD":
@@ -299,8 +286,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.bf16 and cfg.fp16), "--bf16 and --fp16 are mutually exclusive")
     need(not cfg.fp16, "--fp16 is not supported (it needs loss scaling); use --bf16, or fp32 "
                        "(the default)")
-    need(cfg.tokenizer_type in TOKENIZER_TYPES,
-         f"--tokenizer-type must be one of {TOKENIZER_TYPES}, got {cfg.tokenizer_type!r}")
     if cfg.tokenizer_type in ("SentencePieceTokenizer", "T5SentencePieceTokenizer"):
         need(bool(cfg.tokenizer_model),
              f"--tokenizer-type {cfg.tokenizer_type} needs --tokenizer-model")
@@ -348,6 +333,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems + flextp_problems(cfg)
+
+
+def choice_problems(cfg: TrainConfig) -> list[str]:
+    """Values outside the choices their flag declares, for the flags whose value no other
+    class validates (`validated_by`: IterationPlannerConfig, PlannerConfig, ModelSpec)."""
+    return [f"{f.name} must be one of {tuple(f.choices)}, got {getattr(cfg, f.field_name)!r}"
+            for f in FLAGS if f.choices and f.field_name and not f.validated_by
+            and getattr(cfg, f.field_name) not in f.choices]
 
 
 def split_units(value: str) -> tuple[int, ...] | None:
@@ -427,9 +420,7 @@ def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
 def flextp_problems(cfg: TrainConfig) -> list[str]:
     """What --tp-balance and the --flextp-* flags cannot do (empty when fine)."""
     from dynapipe_ext.flextp.policy import MODES, parse_speeds
-    if cfg.tp_balance not in MODES:
-        return [f"--tp-balance must be one of {', '.join(MODES)}, got {cfg.tp_balance!r}"]
-    if cfg.tp_balance == "off":
+    if cfg.tp_balance == "off" or cfg.tp_balance not in MODES:   # choice_problems says so
         return []
     checks = [(cfg.tensor_model_parallel_size >= 2, "needs --tensor-model-parallel-size >= 2"),
               (cfg.model == "gpt", "supports GPT models only (pretrain_gpt.py)"),
@@ -540,8 +531,9 @@ T5 = ("t5",)
 
 
 def declare(group: str, *names: str, models=MODELS, exclusive: str | None = None,
-            field: str | None = "", negate: bool = False, **kwargs) -> Flag:
-    return Flag(names, group, kwargs, models, exclusive, field, negate)
+            field: str | None = "", negate: bool = False, validated_by: str | None = None,
+            **kwargs) -> Flag:
+    return Flag(names, group, kwargs, models, exclusive, field, negate, validated_by)
 
 
 # Every flag of pretrain_gpt.py / pretrain_t5.py, declared here only (the FlexTP ones in
@@ -573,7 +565,8 @@ FLAGS: tuple[Flag, ...] = (
             help="give the output layer its own weights; by default it shares the "
                  "input word embedding, as in Megatron (T5's decoder embedding always "
                  "does; T5 v1.1 / FLAN-T5 are untied)"),
-    declare(MODEL, "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+    declare(MODEL, "--normalization", choices=NORMALIZATIONS, default="LayerNorm",
+            validated_by="ModelSpec",
             help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)"),
     declare(MODEL, "--norm-epsilon", type=float, default=1e-5,
             help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6)"),
@@ -587,7 +580,8 @@ FLAGS: tuple[Flag, ...] = (
             help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0"),
     declare(MODEL, "--kv-channels", field=None, type=int, default=None,
             help="per-head size; default hidden size / heads (FLAN-T5-small: 64)"),
-    declare(MODEL, "--position-embedding-type", choices=("learned_absolute", "relative"),
+    declare(MODEL, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+            validated_by="ModelSpec",
             default="learned_absolute",
             models=T5, help="relative: T5's bucketed per-head position bias"),
     declare(MODEL, "--relative-attention-num-buckets", type=int, default=32,
@@ -621,8 +615,10 @@ FLAGS: tuple[Flag, ...] = (
             help=TOKENS_HELP),
     declare(PLANNING, "--global-batch-size", field=None, exclusive="batch", type=int, default=None,
             help=GLOBAL_BATCH_HELP),
-    declare(PLANNING, "--micro-batching", choices=MICRO_BATCHING, default="dynamic"),
+    declare(PLANNING, "--micro-batching", choices=MICRO_BATCHING, default="dynamic",
+            validated_by="IterationPlannerConfig"),
     declare(PLANNING, "--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp",
+            validated_by="PlannerConfig",
             help="packer for --micro-batching packing (GPT and T5; T5 packs the "
                  "(encoder, decoder) pairs with both length limits held)"),
     declare(PLANNING, "--max-pack-depth", type=int, default=None,
@@ -633,6 +629,7 @@ FLAGS: tuple[Flag, ...] = (
                  "training (dataset-level packing, Krell et al.) and make global "
                  "batches of whole rows; 0 (default): pack each global batch alone"),
     declare(PLANNING, "--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
+            validated_by="PlannerConfig",
             help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
                  "(default), one token stream of its samples (no padding but the "
                  "alignment at its end; attention within each sample), or 'padded', "
@@ -640,6 +637,7 @@ FLAGS: tuple[Flag, ...] = (
     declare(PLANNING, "--micro-batch-size", type=int, default=4,
             help="rows per micro-batch for --micro-batching padding"),
     declare(PLANNING, "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
+            validated_by="IterationPlannerConfig",
             help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
                  "on the first batch, per iteration the fastest fitting schedule on it"),
     declare(PLANNING, "--pipeline-waves", type=int, default=1,
@@ -657,6 +655,7 @@ FLAGS: tuple[Flag, ...] = (
                  "node's planning leader; 'auto': from the node's free cores and the "
                  "measured planning time against the predicted iteration time)"),
     declare(PLANNING, "--replica-split", choices=REPLICA_SPLITS + ("auto",), default="auto",
+            validated_by="IterationPlannerConfig",
             help="'auto' (default): 'micro-batches' on one node, 'samples' when the "
                  "run spans several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE); "
                  "'micro-batches': plan the whole batch, then split its micro-batches "

@@ -15,7 +15,9 @@ class Flag:
     per model. `models`: the models whose --help shows it (the others still accept it, and
     their config check rejects it with a message). `exclusive`: flags of a group with the same
     key are mutually exclusive. `field`: the TrainConfig field it fills, None when a resolver
-    derives the field (arguments.resolved_fields); `negate`: the field is `not value`."""
+    derives the field (arguments.resolved_fields); `negate`: the field is `not value`.
+    `validated_by`: the class that checks the value against `choices` (the trainer's config
+    check then leaves it to that class)."""
 
     names: tuple[str, ...]
     group: str
@@ -24,6 +26,7 @@ class Flag:
     exclusive: str | None = None
     field: str | None = ""       # "": the dest
     negate: bool = False
+    validated_by: str | None = None
 
     @property
     def name(self) -> str:
