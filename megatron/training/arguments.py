@@ -15,7 +15,7 @@ from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
-from megatron.data.tokenizers import TOKENIZER_TYPES, VOCAB_EXTRA_IDS_HELP
+from megatron.data.tokenizers import TOKENIZER_TYPES, tokenizer_flags
 from megatron.training.flags import MODELS, Flag, add_flags, flag_by_dest, markdown_table
 
 MICRO_BATCHING = tuple(STRATEGIES)      # the planner's strategies, in its order
@@ -752,11 +752,7 @@ FLAGS: tuple[Flag, ...] = (
                  "Default: train on every sample"),
     declare(DATA, "--valid-data-path", nargs="+", default=None,
             help="validation data, the same syntax as --data-path (instead of --split)"),
-    declare(DATA, "--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer"),
-    declare(DATA, "--vocab-file", default=None),
-    declare(DATA, "--merge-file", default=None),
-    declare(DATA, "--tokenizer-model", default=None),
-    declare(DATA, "--vocab-extra-ids", type=int, default=None, help=VOCAB_EXTRA_IDS_HELP),
+    *(declare(DATA, *names, **kwargs) for names, kwargs in tokenizer_flags()),
     declare(DATA, "--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
             help="pad the vocabulary to a multiple of this x --tensor-model-parallel-"
                  "size, as Megatron (default 128); a checkpoint loads where the padded "
@@ -822,14 +818,16 @@ def build_parser(model: str) -> argparse.ArgumentParser:
 
 def add_flag_group(parser: argparse.ArgumentParser, group: str,
                    only: Sequence[str] | None = None, model: str | None = None,
-                   **overrides: dict) -> None:
+                   title: str | None = None, **overrides: dict) -> None:
     """The trainer's flags of `group` (all, or the dests in `only`, in that order) on a
-    tool's parser, declared in FLAGS; `overrides`: per dest, keywords that replace the
-    declared ones, e.g. num_layers=dict(default=4) or hidden_size=dict(required=False)."""
+    tool's parser, as FLAGS declares them, in the argument group `title` (default the
+    trainer's; "": no group). `overrides`: per dest, keywords that replace the declared
+    ones, e.g. num_layers=dict(default=4), plus `aliases` (extra spellings)."""
     chosen = [f for f in FLAGS if f.group == group]
     if only is not None:
         chosen = [flag_by_dest(chosen, dest) for dest in only]
-    add_flags(parser, chosen, GROUP_TITLES, model, overrides)
+    add_flags(parser, chosen, {group: GROUP_TITLES[group] if title is None else title}, model,
+              overrides)
 
 
 def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None,

@@ -59,17 +59,20 @@ class Flag:
     def shown_for(self, model: str | None) -> bool:
         return model is None or model in self.models
 
-    def add_to(self, container, model: str | None = None, **overrides) -> argparse.Action:
+    def add_to(self, container, model: str | None = None, aliases: tuple[str, ...] = (),
+               **overrides) -> argparse.Action:
         """`add_argument` on a parser or group; `overrides` replace declared keywords
-        (a tool's own default, `required=False`)."""
+        (a tool's own default, `required=False`); `aliases`: a tool's extra spellings."""
         kwargs = {k: v for k, v in self.kwargs.items() if k != "help"}
+        if aliases:
+            kwargs["dest"] = self.dest
         text = self.help_for(model)
         if not self.shown_for(model):
             text = argparse.SUPPRESS
         if text is not None:
             kwargs["help"] = text
         kwargs.update(overrides)
-        return container.add_argument(*self.names, **kwargs)
+        return container.add_argument(*self.names, *aliases, **kwargs)
 
 
 def flag_by_dest(flags: Iterable[Flag], dest: str) -> Flag:
@@ -82,13 +85,16 @@ def flag_by_dest(flags: Iterable[Flag], dest: str) -> Flag:
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: dict[str, str],
               model: str | None = None, overrides: dict[str, dict] | None = None) -> None:
     """Add `flags` to `parser` in their order, each in the argument group `titles[group]`
-    (made on first use; a title already on the parser is reused), mutually exclusive sets
-    together. `overrides`: per dest, keywords that replace the declared ones."""
+    (made on first use; a title already on the parser is reused; "": the parser itself),
+    mutually exclusive sets together. `overrides`: per dest, keywords that replace the
+    declared ones."""
     groups = {g.title: g for g in parser._action_groups}
     exclusive = {}
     for f in flags:
         title = titles[f.group]
-        if title not in groups:
+        if title == "":
+            groups[title] = parser
+        elif title not in groups:
             groups[title] = parser.add_argument_group(title)
         container = groups[title]
         if f.exclusive:
