@@ -933,3 +933,37 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
 
 def config_field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
+
+
+FLAGS_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "FLAGS.md")
+
+
+def flags_markdown() -> str:
+    """docs/FLAGS.md: per group a table of the flags of pretrain_gpt.py and pretrain_t5.py
+    (flag, default, choices, help), generated from FLAGS, the declarations the parsers are
+    built from."""
+    parts = ["# Flags of pretrain_gpt.py and pretrain_t5.py", "",
+             "Generated from the flag declarations in `megatron/training/arguments.py` (`FLAGS`);",
+             "do not edit by hand. Regenerate with",
+             "`python -m megatron.training.arguments --write-flags-doc`.",
+             "A flag marked (T5 only) is hidden from pretrain_gpt.py's --help (given there, a",
+             "T5 value is rejected with a message). Help that differs between the models is",
+             "given per model.", ""]
+    for group, title in GROUP_TITLES.items():
+        flags = [f for f in FLAGS if f.group == group]
+        parts += [f"## {title}", "", markdown_table(flags, MODELS), ""]
+    return "\n".join(parts)
+
+
+def write_flags_doc(path: str = FLAGS_DOC) -> str:
+    with open(path, "w") as f:
+        f.write(flags_markdown())
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--write-flags-doc"]:
+        sys.exit("usage: python -m megatron.training.arguments --write-flags-doc")
+    print(f"wrote {write_flags_doc()}")

@@ -107,7 +107,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], titles: di
 
 def markdown_table(flags: Iterable[Flag], models: tuple[str, ...] = MODELS) -> str:
     """A Markdown table of `flags`: flag, default, choices, help (per model where it differs),
-    and which models show it when not all of them do."""
+    marked "(T5 only)" and the like when not every model's --help shows it."""
     rows = ["| flag | default | choices | help |", "|---|---|---|---|"]
     for f in flags:
         names = ", ".join(f"`{n}`" for n in f.names)
@@ -117,14 +117,14 @@ def markdown_table(flags: Iterable[Flag], models: tuple[str, ...] = MODELS) -> s
             default = "" if f.default is None else f"`{format_value(f.default)}`"
         choices = ", ".join(f"`{c}`" for c in f.choices) if f.choices else ""
         shown = [m for m in models if f.shown_for(m)]
-        texts = {m: f.help_for(m) or "" for m in shown}
+        texts = {m: escape(f.help_for(m) or "") for m in shown}
         if len(set(texts.values())) <= 1:
             text = next(iter(texts.values()), "")
         else:
-            text = " ".join(f"{m.upper()}: {t}" for m, t in texts.items())
+            text = "<br>".join(f"pretrain_{m}.py: {t}" for m, t in texts.items())
         if len(shown) < len(models):
             text = f"({' and '.join(m.upper() for m in shown)} only) " + text
-        rows.append(f"| {names} | {default} | {choices} | {escape(text.replace('%%', '%'))} |")
+        rows.append(f"| {names} | {default} | {choices} | {text} |")
     return "\n".join(rows)
 
 
@@ -135,4 +135,6 @@ def format_value(value) -> str:
 
 
 def escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Help text as one Markdown table cell (argparse's %% is %)."""
+    return (text.replace("%%", "%").replace("&", "&amp;").replace("<", "&lt;")
+            .replace("|", "\\|").replace("\n", " "))
