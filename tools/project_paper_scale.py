@@ -71,6 +71,7 @@ from dynapipe_ext.costs.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, 
 from dynapipe_ext.batching.planners import (PlannerConfig, PlanningError,  # noqa: E402
                                    effective_lengths, plan_micro_batches)
 from dynapipe_ext.schedule.schedule_search import micro_batch_costs, search_schedule  # noqa: E402
+from megatron.training.arguments import add_flag_group  # noqa: E402
 from tools.bench_planner import DEVICE, global_batch  # noqa: E402
 
 PAPER_GPT = ModelSpec("gpt", num_layers=32, hidden_size=4096, num_attention_heads=32,
@@ -449,9 +450,10 @@ def main(argv=None) -> int:
                    help="tools/profile_cost_model.py GPT profiles (two hidden sizes) to fit")
     p.add_argument("--t5-profiles", nargs="+", default=[],
                    help="tools/profile_cost_model.py T5 profiles (two hidden sizes) to fit")
-    p.add_argument("--pipeline-split", choices=("even", "balanced"), default="even",
-                   help="GPT stages: whole layers, or half layers as the trainer's "
-                        "--pipeline-split balanced cuts them (costed analytically here)")
+    add_flag_group(p, "parallel", ["pipeline_split"], title="", pipeline_split=dict(
+        choices=("even", "balanced"),
+        help="GPT stages: whole layers, or half layers as the trainer's --pipeline-split "
+             "balanced cuts them (costed analytically here)"))
     args = p.parse_args(argv)
     paths = {m: ps for m, ps in (("gpt", args.gpt_profiles), ("t5", args.t5_profiles)) if ps}
     result = project_all(tuple(args.max_lengths), args.batches, args.seed, paths or None,

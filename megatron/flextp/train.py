@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    lr_warmup_iters=dict(default=10))
     p.add_argument("--pin-cores", action="store_true",
                    help="pin TP rank r to CPU core r (for the taskset contention runs)")
-    p.add_argument("--eval-iters", type=int, default=0,
-                   help="after training, the mean loss of this many held-out batches with every "
-                        "unit computed (no skips): what the trained weights are worth")
+    add_flag_group(p, "checkpoint", ["eval_iters"], title="", eval_iters=dict(
+        default=0, help="after training, the mean loss of this many held-out batches with "
+                        "every unit computed (no skips): what the trained weights are worth"))
     p.add_argument("--log-json", default=None, help="rank 0 writes the per-iteration records")
     return p
 
