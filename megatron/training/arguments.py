@@ -1,5 +1,13 @@
 """Command line of pretrain_gpt.py / pretrain_t5.py: Megatron's flag names where they exist,
-parsed into one typed, validated `TrainConfig` before anything else starts."""
+parsed into one typed, validated `TrainConfig` before anything else starts.
+
+Each flag is declared once, in `FLAGS` (megatron/training/flags.py `Flag`: names, group,
+default, choices, help, the models that show it); choice lists and the FlexTP and tokenizer
+flags come from the code that owns them. The parsers (`build_parser`, tools' `add_flag_group`)
+and docs/FLAGS.md (`flags_markdown`) are generated from `FLAGS`, and `config_from_args` fills
+the flat `TrainConfig` from it: each flag's value to the field it names, then
+`resolved_fields` for Megatron's derived defaults. TrainConfig stays flat (one typed object
+the code reads) and has no defaults of its own."""
 from __future__ import annotations
 
 import argparse
