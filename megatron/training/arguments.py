@@ -23,7 +23,7 @@ from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
-from megatron.data.tokenizers import TOKENIZER_TYPES, tokenizer_flags
+from megatron.data.tokenizers import tokenizer_flags
 from megatron.training.flags import MODELS, Flag, add_flags, flag_by_dest, markdown_table
 
 MICRO_BATCHING = tuple(STRATEGIES)      # the planner's strategies, in its order
