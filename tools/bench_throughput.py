@@ -106,7 +106,7 @@ def cost_model_options(job: dict) -> dict:
 # ============================================================================ planning setup
 
 def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | None,
-                         strategy: str = "dynamic"):
+                         strategy: str = "dynamic", **startup):
     """The trainer's planner config with the benchmark's cost model (device throughput and
     memory of this machine) and, for padding / packing, the tuned rows per micro-batch;
     "packing" (dense block-diagonal mask) is costed as dense rows, the rest as they run."""
@@ -114,7 +114,7 @@ def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | 
 
     from dynapipe_ext.plan.iteration_planner import CostModelSource
     from megatron.training.training import planner_config
-    plan_cfg = planner_config(cfg, spec, dp)
+    plan_cfg = planner_config(cfg, spec, dp, **startup)    # startup: comm=, auto_layout=
     source = plan_cfg.cost_model
     if source.kind == "analytic":
         source = CostModelSource.analytic(**cost_model_options(job))
@@ -252,8 +252,8 @@ def build_bench_run(cfg, job: dict, micro_batch_size: int | None, strategy: str)
     this device, tuned baseline micro-batch size)."""
     from megatron.training.training import build_run
     return build_run(cfg, verbose=job["verbose"],
-                     make_planner_config=lambda cfg, spec, dp: bench_planner_config(
-                         cfg, spec, dp, job, micro_batch_size, strategy))
+                     make_planner_config=lambda cfg, spec, dp, **startup: bench_planner_config(
+                         cfg, spec, dp, job, micro_batch_size, strategy, **startup))
 
 
 class PlanRecorder:
@@ -626,6 +626,7 @@ def machine_description(device: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from megatron.training.arguments import add_flag_group
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
@@ -647,10 +648,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "a row's tokens/s is the median over its rounds, with their spread")
     g.add_argument("--warmup-iters", type=int, default=1)
     g.add_argument("--iters", type=int, default=3)
-    g.add_argument("--num-layers", type=int, default=4,
-                   help="GPT layers; T5 gets this many encoder and decoder layers each / 2")
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    add_flag_group(p, "model", ["num_layers", "hidden_size", "num_attention_heads"], title="",
+                   num_layers=dict(default=4, help="GPT layers; T5 gets this many encoder and "
+                                                   "decoder layers each / 2"),
+                   hidden_size=dict(default=256, required=False),
+                   num_attention_heads=dict(default=4, required=False))
     g.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
     g.add_argument("--pp", type=int, default=2)
     g.add_argument("--tp", type=int, default=1)

@@ -32,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
                                        read_hf, read_source_config, write_converted,
                                        write_hf)
-from megatron.training.arguments import VOCAB_MULTIPLE  # noqa: E402
+from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group  # noqa: E402
 from megatron.checkpoint.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
 
@@ -75,15 +75,17 @@ def main(argv=None) -> int:
     p.add_argument("--to", metavar="DIR", required=True, help="output directory")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
                    help="pad the vocabulary as a run at this TP does (default 1)")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
-                   help="pad the vocabulary as a run with this value does (default "
-                        f"{VOCAB_MULTIPLE}, Megatron's); the run must be given the same")
+    add_flag_group(p, "data", ["make_vocab_size_divisible_by"], title="",
+                   make_vocab_size_divisible_by=dict(
+                       help="pad the vocabulary as a run with this value does (default "
+                            f"{VOCAB_MULTIPLE}, Megatron's); the run must be given the same"))
     p.add_argument("--model-args", metavar="DIR", default=None,
                    help="export: the converted directory whose model_args.json describes the "
                         "model (default: the --to-hf directory); give it to export a training "
                         "run fine-tuned from that import")
-    p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="import: give the output layer its own copy of the embedding")
+    add_flag_group(p, "model", ["untie_embeddings_and_output_weights"], title="",
+                   untie_embeddings_and_output_weights=dict(
+                       help="import: give the output layer its own copy of the embedding"))
     a = p.parse_args(argv)
     if a.make_vocab_size_divisible_by < 1 or a.target_tensor_parallel_size < 1:
         p.error("--make-vocab-size-divisible-by and --target-tensor-parallel-size must be >= 1")

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dynapipe_ext.batching.histograms import load_histogram  # noqa: E402
 from dynapipe_ext.batching.packing import (ALGORITHMS, count_next_fit_rows, histogram_of,  # noqa: E402
                                   pack_histogram)
+from megatron.training.arguments import add_flag_group  # noqa: E402
 
 
 def dataset_histogram(prefix: str, seq_length: int) -> tuple[np.ndarray, int]:
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="histogram of a preprocessed dataset's GPT sample lengths")
     source.add_argument("--histograms", type=Path, help="histograms JSON file (with --name)")
     parser.add_argument("--name", help="histogram name in the --histograms file")
-    parser.add_argument("--seq-length", type=int, default=512,
-                        help="with --from-dataset: samples are cut to this many tokens, and "
-                             "it is the default pack length (default 512)")
+    add_flag_group(parser, "model", ["seq_length"], title="", seq_length=dict(
+        default=512, help="with --from-dataset: samples are cut to this many tokens, and it "
+                          "is the default pack length (default 512)"))
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="spfhp")
     parser.add_argument("--max-depth", type=int, default=None,
                         help="most sequences per pack (default: no limit; NNLSHP uses 3)")

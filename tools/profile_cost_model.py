@@ -26,6 +26,7 @@ from dynapipe_ext.costs.cost_profile import (  # noqa: E402
     RECOMPUTE_MODES, CostProfile, profile_file_name, profile_key, save_profile)
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
+from megatron.training.arguments import add_flag_group  # noqa: E402
 
 
 def int_list(text: str) -> list[int]:
@@ -50,19 +51,23 @@ def mode_list(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model (Megatron flag names)")
+    title = "model (Megatron flag names)"
+    g = p.add_argument_group(title)
     g.add_argument("--model", choices=("gpt", "t5"), default="gpt")
-    g.add_argument("--num-layers", type=int, default=2,
-                   help="transformer layers (T5: encoder layers)")
-    g.add_argument("--decoder-num-layers", "--num-decoder-layers", dest="decoder_num_layers",
-                   type=int, default=None, help="T5 decoder layers (default: --num-layers)")
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=0, help="default 4 x hidden size")
+    add_flag_group(p, "model", ["num_layers", "decoder_num_layers", "hidden_size",
+                                "num_attention_heads", "ffn_hidden_size"], title=title,
+                   num_layers=dict(default=2, help="transformer layers (T5: encoder layers)"),
+                   decoder_num_layers=dict(aliases=("--num-decoder-layers",),
+                                           help="T5 decoder layers (default: --num-layers)"),
+                   hidden_size=dict(required=False, default=256),
+                   num_attention_heads=dict(required=False, default=4),
+                   ffn_hidden_size=dict(default=0))
     g.add_argument("--vocab-size", type=int, default=1024)
-    g.add_argument("--max-position-embeddings", type=int, default=4096)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and activations")
+    add_flag_group(p, "model", ["max_position_embeddings"], title=title,
+                   max_position_embeddings=dict(default=4096, help=None))
+    add_flag_group(p, "parallel", ["tensor_model_parallel_size"], title=title)
+    add_flag_group(p, "optimizer", ["bf16"], title=title,
+                   bf16=dict(help="bfloat16 parameters and activations"))
     g = p.add_argument_group("grid")
     g.add_argument("--micro-batch-sizes", type=int_list, default=int_list("1,2,4,8"),
                    help="rows per micro-batch (comma-separated)")

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynapipe_ext.plan.paper_projection import MAX_LENGTHS, project_all  # noqa: E402
+from megatron.training.arguments import add_flag_group  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -72,9 +73,10 @@ def main(argv=None) -> int:
                    help="tools/profile_cost_model.py GPT profiles (two hidden sizes) to fit")
     p.add_argument("--t5-profiles", nargs="+", default=[],
                    help="tools/profile_cost_model.py T5 profiles (two hidden sizes) to fit")
-    p.add_argument("--pipeline-split", choices=("even", "balanced"), default="even",
-                   help="GPT stages: whole layers, or half layers as the trainer's "
-                        "--pipeline-split balanced cuts them (costed analytically here)")
+    add_flag_group(p, "parallel", ["pipeline_split"], title="", pipeline_split=dict(
+        choices=("even", "balanced"),
+        help="GPT stages: whole layers, or half layers as the trainer's --pipeline-split "
+             "balanced cuts them (costed analytically here)"))
     args = p.parse_args(argv)
     paths = {m: ps for m, ps in (("gpt", args.gpt_profiles), ("t5", args.t5_profiles)) if ps}
     result = project_all(tuple(args.max_lengths), args.batches, args.seed, paths or None,

@@ -28,6 +28,7 @@ from megatron.spindle.measure import (fit_link, iteration_tokens,  # noqa: E402
 from megatron.spindle.mt_model import (TinyMTConfig, build_components,  # noqa: E402
                                        describe, loss_normaliser, task_data)
 from megatron.spindle.runtime import WaveRuntime  # noqa: E402
+from megatron.training.arguments import add_flag_group  # noqa: E402
 from megatron.base.distributed_setup import end_process, setup_model_parallel  # noqa: E402
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from tools.benchlib.workloads import machine  # noqa: E402
@@ -41,7 +42,8 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--hidden-size", type=int, default=32)
+    add_flag_group(parser, "model", ["hidden_size"], title="",
+                   hidden_size=dict(required=False, default=32))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

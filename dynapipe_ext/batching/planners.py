@@ -17,6 +17,7 @@ import numpy as np
 
 from dynapipe_ext.costs.cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_needed
 from dynapipe_ext.batching.dp_split import makespan_objective, optimal_split
+from dynapipe_ext.batching.packing import ALGORITHMS
 from dynapipe_ext.batching.microbatch import (DYNAMIC_LAYOUTS, MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch,
                          as_lengths, packed_cost_shape, padding_efficiency)
 from dynapipe_ext.batching.ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
@@ -26,7 +27,7 @@ from dynapipe_ext.batching.replica_split import balanced_partition, replica_make
 OVERLONG_POLICIES = ("error", "truncate")
 MAX_TABLE_ENTRIES = 4_000_000     # bounds the dynamic planner's segment table (n x width)
 REFINE_ROUNDS = 16   # T5 local-search rounds: on FLAN-like batches later ones add < 0.1%
-PACKING_ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+PACKING_ALGORITHMS = ALGORITHMS    # the packers' own list (batching/packing.py)
 # how packing's rows compute attention, hence how they are costed: per sample ("segments",
 # the trainer's default: FlexAttention / grouped SDPA) or over the whole row with a
 # block-diagonal mask ("mask", S^2 work: packing without a varlen kernel)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "relative")
+
 # Layer kinds. A stage is a tuple of them, in execution order.
 EMBEDDING = "embedding"          # word (+ learned position) embedding of the GPT / T5-encoder input
 DEC_EMBEDDING = "dec_embedding"  # T5 decoder input embedding (first decoder stage)
@@ -57,10 +60,10 @@ class ModelSpec:
             raise ValueError(f"model must be 'gpt' or 't5', got {self.model!r}")
         if self.model == "t5" and self.num_decoder_layers <= 0:
             raise ValueError("a T5 ModelSpec needs num_decoder_layers > 0")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
+        if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be LayerNorm or RMSNorm, got "
                              f"{self.normalization!r}")
-        if self.position_embedding_type not in ("learned_absolute", "relative"):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError("position_embedding_type must be learned_absolute or relative, "
                              f"got {self.position_embedding_type!r}")
         if self.position_embedding_type == "relative" and self.model != "t5":

@@ -40,23 +40,35 @@ class BalanceCosts:
     min_gain: float = 0.05       # migrate only for at least this share off the step time
 
 
-def add_balance_args(parser) -> None:
+def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
     """The `--tp-balance` flags both FlexTP trainers take (pretrain_gpt.py and the small
-    megatron.flextp.train), with the defaults of `BalanceCosts`."""
+    megatron.flextp.train), with the defaults of `BalanceCosts`: (names, add_argument
+    keywords) each, declared here only."""
     d = BalanceCosts(unit_seconds=0.0, bytes_per_unit=0.0, bandwidth=1.0)
-    parser.add_argument("--tp-balance", choices=MODES, default="off",
-                        help="balance tensor-parallel work when a TP rank is slower: resize "
-                             "(skip some of its units, imputed), migrate (move units and their "
-                             "Adam state to faster ranks), semi (a cost model picks per "
-                             "interval); off: even TP")
-    parser.add_argument("--flextp-interval", type=int, default=10,
-                        help="iterations between balancing decisions")
-    parser.add_argument("--flextp-max-drop-fraction", type=float, default=d.max_fraction,
-                        help="resize bound: share of a rank's units it may skip")
-    parser.add_argument("--flextp-accuracy-weight", type=float, default=d.accuracy_weight,
-                        help="semi: iterations of cost charged per fraction of units skipped")
-    parser.add_argument("--flextp-min-horizon", type=int, default=d.min_horizon,
-                        help="semi: iterations an imbalance is assumed to last at least")
+    return (
+        (("--tp-balance",), dict(
+            choices=MODES, default="off",
+            help="balance tensor-parallel work when a TP rank is slower: resize (skip some of "
+                 "its units, imputed), migrate (move units and their Adam state to faster "
+                 "ranks), semi (a cost model picks per interval); off: even TP")),
+        (("--flextp-interval",), dict(type=int, default=10,
+                                      help="iterations between balancing decisions")),
+        (("--flextp-max-drop-fraction",), dict(
+            type=float, default=d.max_fraction,
+            help="resize bound: share of a rank's units it may skip")),
+        (("--flextp-accuracy-weight",), dict(
+            type=float, default=d.accuracy_weight,
+            help="semi: iterations of cost charged per fraction of units skipped")),
+        (("--flextp-min-horizon",), dict(
+            type=int, default=d.min_horizon,
+            help="semi: iterations an imbalance is assumed to last at least")),
+    )
+
+
+def add_balance_args(parser) -> None:
+    """Add `balance_flags()` to an argparse parser or group."""
+    for names, kwargs in balance_flags():
+        parser.add_argument(*names, **kwargs)
 
 
 def parse_speeds(text: str | None, tp: int) -> tuple[float, ...] | None:

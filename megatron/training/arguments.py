@@ -1,5 +1,13 @@
 """Command line of pretrain_gpt.py / pretrain_t5.py: Megatron's flag names where they exist,
-parsed into one typed, validated `TrainConfig` before anything else starts."""
+parsed into one typed, validated `TrainConfig` before anything else starts.
+
+Each flag is declared once, in `FLAGS` (megatron/training/flags.py `Flag`: names, group,
+default, choices, help, the models that show it); choice lists and the FlexTP and tokenizer
+flags come from the code that owns them. The parsers (`build_parser`, tools' `add_flag_group`)
+and docs/FLAGS.md (`flags_markdown`) are generated from `FLAGS`, and `config_from_args` fills
+the flat `TrainConfig` from it: each flag's value to the field it names, then
+`resolved_fields` for Megatron's derived defaults. TrainConfig stays flat (one typed object
+the code reads) and has no defaults of its own."""
 from __future__ import annotations
 
 import argparse
@@ -8,16 +16,17 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
-from dynapipe_ext.flextp.policy import add_balance_args
-from dynapipe_ext.plan.iteration_planner import REPLICA_SPLITS
 from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
-from dynapipe_ext.batching.planners import PACKING_ALGORITHMS
+from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES
+from dynapipe_ext.costs.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from dynapipe_ext.flextp.policy import balance_flags
+from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
-from megatron.data.tokenizers import TOKENIZER_TYPES, VOCAB_EXTRA_IDS_HELP
+from megatron.data.tokenizers import tokenizer_flags
+from megatron.training.flags import MODELS, Flag, add_flags, flag_by_dest, markdown_table
 
-MICRO_BATCHING = ("padding", "token-budget", "packing", "dynamic")
-PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "interleaved", "wave")
+MICRO_BATCHING = tuple(STRATEGIES)      # the planner's strategies, in its order
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 VOCAB_MULTIPLE = 128    # Megatron's --make-vocab-size-divisible-by default
@@ -27,7 +36,7 @@ class ConfigError(ValueError):
     """A command-line value that cannot work; the message names the flag."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a training run needs to know, checked in `__post_init__`."""
 
@@ -37,10 +46,10 @@ class TrainConfig:
     hidden_size: int
     num_attention_heads: int
     ffn_hidden_size: int
-    seq_length: int                 # GPT tokens per sample / T5 encoder tokens
-    decoder_seq_length: int         # T5 decoder tokens (0 for GPT)
+    seq_length: int  # GPT tokens per sample / T5 encoder tokens
+    decoder_seq_length: int  # T5 decoder tokens (0 for GPT)
     max_position_embeddings: int
-    decoder_num_layers: int         # T5 only (0 for GPT); num_layers counts encoder layers
+    decoder_num_layers: int  # T5 only (0 for GPT); num_layers counts encoder layers
     # parallelism
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
@@ -52,7 +61,7 @@ class TrainConfig:
     dynamic_layout: str
     micro_batch_size: int
     pipeline_schedule: str
-    num_planner_workers: int | str   # or "auto" (dynapipe_ext/plan/cluster.py)
+    num_planner_workers: int | str  # or "auto" (dynapipe_ext/plan/cluster.py)
     plan_prefetch: int
     check_plans: bool
     cost_model: str
@@ -72,7 +81,7 @@ class TrainConfig:
     fp16: bool
     seed: int
     # data and tokenizer
-    data_path: tuple    # Megatron's list: one prefix, or prefixes, or W1 P1 W2 P2 ...
+    data_path: tuple  # Megatron's list: one prefix, or prefixes, or W1 P1 W2 P2 ...
     tokenizer_type: str
     vocab_file: str | None
     merge_file: str | None
@@ -84,67 +93,67 @@ class TrainConfig:
     log_interval: int
     tensorboard_dir: str | None
     stats_file: str | None
-    keep_last: int = 0                          # newest complete checkpoints kept; 0 = all
-    override_opt_param_scheduler: bool = False  # resume: this run's LR schedule flags win
-    use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's schedule wins
-    finetune: bool = False                      # --load weights only: iteration 0, fresh state
-    no_load_optim: bool = False                 # --load without optimizer / LR schedule state
-    no_load_rng: bool = False                   # --load without RNG states (reseed)
-    global_batch_size: int = 0                  # samples per global batch; 0 = token budget
-    debug: bool = False                         # a failure prints its traceback too
-    mixing_cap: int | None = None               # FLAN/seqio examples-proportional cap
-    mixing_temperature: float = 1.0
-    hidden_dropout: float = 0.1                 # Megatron's defaults
-    attention_dropout: float = 0.1
-    bias_gelu_fusion: bool = True               # megatron-core's torch.compile'd fusions (GPU)
-    bias_dropout_fusion: bool = True
-    profile: bool = False                       # torch.profiler over the iterations below
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: tuple = (0,)
-    profile_dir: str | None = None
-    lr_wsd_decay_style: str = "exponential"     # WSD's annealing phase (Megatron's default)
-    lr_wsd_decay_iters: int = 0                 # its length in iterations; WSD needs > 0
+    keep_last: int  # newest complete checkpoints kept; 0 = all
+    override_opt_param_scheduler: bool  # resume: this run's LR schedule flags win
+    use_checkpoint_opt_param_scheduler: bool  # resume: the checkpoint's schedule wins
+    finetune: bool  # --load weights only: iteration 0, fresh state
+    no_load_optim: bool  # --load without optimizer / LR schedule state
+    no_load_rng: bool  # --load without RNG states (reseed)
+    global_batch_size: int  # samples per global batch; 0 = token budget
+    debug: bool  # a failure prints its traceback too
+    mixing_cap: int | None  # FLAN/seqio examples-proportional cap
+    mixing_temperature: float
+    hidden_dropout: float  # Megatron's defaults
+    attention_dropout: float
+    bias_gelu_fusion: bool  # megatron-core's torch.compile'd fusions (GPU)
+    bias_dropout_fusion: bool
+    profile: bool  # torch.profiler over the iterations below
+    profile_step_start: int
+    profile_step_end: int
+    profile_ranks: tuple
+    profile_dir: str | None
+    lr_wsd_decay_style: str  # WSD's annealing phase (Megatron's default)
+    lr_wsd_decay_iters: int  # its length in iterations; WSD needs > 0
     # validation (megatron/training/evaluation.py)
-    eval_interval: int = 0                      # iterations between evaluations; 0 = none
-    eval_iters: int = 100                       # validation global batches per evaluation
-    valid_data_path: tuple | None = None        # validation prefixes, --data-path syntax
-    split: str | None = None                    # Megatron's "969,30,1" of --data-path
+    eval_interval: int  # iterations between evaluations; 0 = none
+    eval_iters: int  # validation global batches per evaluation
+    valid_data_path: tuple | None  # validation prefixes, --data-path syntax
+    split: str | None  # Megatron's "969,30,1" of --data-path
     # device figures for planning (None: from the device; megatron/planning/device_costs.py)
-    device_flops: float | None = None
-    device_memory_gb: float | None = None
-    memory_headroom_gb: float | None = None
-    p2p_bandwidth_gbps: float | None = None
-    p2p_latency_us: float | None = None
-    replica_split: str = "auto"        # iteration_planner.REPLICA_SPLITS, or "auto"
-    max_pack_depth: int | None = None  # most samples in one packed row (None: no limit)
-    packing_window: int = 0            # samples packed together ahead of training; 0: per batch
-    cost_model_cache_dir: str | None = None     # --cost-model profile (None: ~/.cache/...)
-    untie_embeddings_and_output_weights: bool = False   # Megatron's default: tied
+    device_flops: float | None
+    device_memory_gb: float | None
+    memory_headroom_gb: float | None
+    p2p_bandwidth_gbps: float | None
+    p2p_latency_us: float | None
+    replica_split: str  # iteration_planner.REPLICA_SPLITS, or "auto"
+    max_pack_depth: int | None  # most samples in one packed row (None: no limit)
+    packing_window: int  # samples packed together ahead of training; 0: per batch
+    cost_model_cache_dir: str | None  # --cost-model profile (None: ~/.cache/...)
+    untie_embeddings_and_output_weights: bool  # Megatron's default: tied
     # layer options (ModelSpec fields; T5 v1.1 / FLAN-T5 need all of them)
-    normalization: str = "LayerNorm"            # --normalization
-    norm_epsilon: float = 1e-5                  # --norm-epsilon
-    add_bias_linear: bool = True                # --disable-bias-linear sets False
-    gated_linear_unit: bool = False             # --gated-gelu
-    softmax_scale: float | None = None          # --softmax-scale (T5: 1.0)
-    position_embedding_type: str = "learned_absolute"   # --position-embedding-type
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    kv_channels: int = 0                        # --kv-channels; 0: hidden / heads
-    vocab_extra_ids: int | None = None          # T5SentencePieceTokenizer sentinels (None: 100)
-    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE  # padded vocabulary: this x TP
-    pipeline_split: str = "even"                # --pipeline-split: even, balanced, or units
-    pipeline_waves: int = 1                     # --pipeline-waves: W of Hanayo's wave layout
-    num_virtual_stages_per_pipeline_rank: int = 0   # v of interleaving; 0: not given (2)
+    normalization: str  # --normalization
+    norm_epsilon: float  # --norm-epsilon
+    add_bias_linear: bool  # --disable-bias-linear sets False
+    gated_linear_unit: bool  # --gated-gelu
+    softmax_scale: float | None  # --softmax-scale (T5: 1.0)
+    position_embedding_type: str  # --position-embedding-type
+    relative_attention_num_buckets: int
+    relative_attention_max_distance: int
+    kv_channels: int  # --kv-channels; 0: hidden / heads
+    vocab_extra_ids: int | None  # T5SentencePieceTokenizer sentinels (None: 100)
+    make_vocab_size_divisible_by: int  # padded vocabulary: this x TP
+    pipeline_split: str  # --pipeline-split: even, balanced, or units
+    pipeline_waves: int  # --pipeline-waves: W of Hanayo's wave layout
+    num_virtual_stages_per_pipeline_rank: int  # v of interleaving; 0: not given (2)
     # FlexTP straggler handling (megatron/flextp/stage_balance.py)
-    tp_balance: str = "off"                     # --tp-balance: off, resize, migrate, semi
-    flextp_interval: int = 10
-    flextp_max_drop_fraction: float = 0.25
-    flextp_accuracy_weight: float = 1.0
-    flextp_min_horizon: int = 20
-    flextp_patience: int = 6
-    flextp_ffn_unit: int = 0                    # 0: ffn / (16 x TP)
-    flextp_initial_speeds: str | None = None
+    tp_balance: str  # --tp-balance: off, resize, migrate, semi
+    flextp_interval: int
+    flextp_max_drop_fraction: float
+    flextp_accuracy_weight: float
+    flextp_min_horizon: int
+    flextp_patience: int
+    flextp_ffn_unit: int  # 0: ffn / (16 x TP)
+    flextp_initial_speeds: str | None
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -193,7 +202,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if not ok:
             problems.append(message)
 
-    need(cfg.model in ("gpt", "t5"), f"model must be 'gpt' or 't5', got {cfg.model!r}")
+    need(cfg.model in MODELS, f"model must be 'gpt' or 't5', got {cfg.model!r}")
+    problems += choice_problems(cfg)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "tokens_per_global_batch", "train_iters", "log_interval",
@@ -216,8 +226,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"(GPT: --pipeline-split balanced cuts stages in half layers)")
     problems += pipeline_split_problems(cfg)
     problems += virtual_stage_problems(cfg)
-    need(cfg.normalization in ("LayerNorm", "RMSNorm"),
-         f"--normalization must be LayerNorm or RMSNorm, got {cfg.normalization!r}")
     need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
          f"--position-embedding-type {cfg.position_embedding_type} is a T5 option")
     if cfg.model == "t5":
@@ -232,10 +240,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.tokens_per_global_batch >= cfg.seq_length,
          f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one sample of "
          f"--seq-length {cfg.seq_length}")
-    need(cfg.micro_batching in MICRO_BATCHING,
-         f"--micro-batching must be one of {MICRO_BATCHING}, got {cfg.micro_batching!r}")
-    need(cfg.packing_algorithm in PACKING_ALGORITHMS,
-         f"--packing-algorithm must be one of {PACKING_ALGORITHMS}, got {cfg.packing_algorithm!r}")
     need(cfg.max_pack_depth is None or cfg.max_pack_depth >= 1,
          f"--max-pack-depth must be >= 1, got {cfg.max_pack_depth}")
     need(cfg.packing_window >= 0, f"--packing-window must be >= 0, got {cfg.packing_window}")
@@ -253,13 +257,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         need(cfg.tokens_per_global_batch >= row_tokens,
              f"--tokens-per-global-batch {cfg.tokens_per_global_batch} cannot hold one packed "
              f"row of {row_tokens} tokens (--packing-window)")
-    need(cfg.pipeline_schedule in PIPELINE_SCHEDULES,
-         f"--pipeline-schedule must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline_schedule!r}")
     need(cfg.num_planner_workers == "auto"
          or (isinstance(cfg.num_planner_workers, int) and cfg.num_planner_workers >= 0),
          f"--num-planner-workers must be >= 0 or 'auto', got {cfg.num_planner_workers!r}")
-    need(cfg.replica_split in REPLICA_SPLITS + ("auto",),
-         f"--replica-split must be one of {REPLICA_SPLITS + ('auto',)}, got {cfg.replica_split!r}")
     need(cfg.cost_model in ("analytic", "profile") or os.path.isfile(cfg.cost_model),
          f"--cost-model must be 'analytic', 'profile' or an existing profile file; "
          f"{cfg.cost_model!r} does not exist")
@@ -269,11 +269,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--distributed-timeout-minutes must be > 0, got {cfg.distributed_timeout_minutes}")
     need(cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr,
          f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr={cfg.lr} min_lr={cfg.min_lr}")
-    need(cfg.lr_decay_style in LR_DECAY_STYLES,
-         f"--lr-decay-style must be one of {LR_DECAY_STYLES}, got {cfg.lr_decay_style!r}")
-    need(cfg.lr_wsd_decay_style in LR_WSD_DECAY_STYLES,
-         f"--lr-wsd-decay-style must be one of {LR_WSD_DECAY_STYLES}, got "
-         f"{cfg.lr_wsd_decay_style!r}")
     need(cfg.lr_wsd_decay_iters >= 0,
          f"--lr-wsd-decay-iters must be >= 0, got {cfg.lr_wsd_decay_iters}")
     if cfg.lr_decay_style == "WSD":
@@ -299,8 +294,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.bf16 and cfg.fp16), "--bf16 and --fp16 are mutually exclusive")
     need(not cfg.fp16, "--fp16 is not supported (it needs loss scaling); use --bf16, or fp32 "
                        "(the default)")
-    need(cfg.tokenizer_type in TOKENIZER_TYPES,
-         f"--tokenizer-type must be one of {TOKENIZER_TYPES}, got {cfg.tokenizer_type!r}")
     if cfg.tokenizer_type in ("SentencePieceTokenizer", "T5SentencePieceTokenizer"):
         need(bool(cfg.tokenizer_model),
              f"--tokenizer-type {cfg.tokenizer_type} needs --tokenizer-model")
@@ -348,6 +341,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems + flextp_problems(cfg)
+
+
+def choice_problems(cfg: TrainConfig) -> list[str]:
+    """Values outside the choices their flag declares, for the flags whose value no other
+    class validates (`validated_by`: IterationPlannerConfig, PlannerConfig, ModelSpec)."""
+    return [f"{f.name} must be one of {tuple(f.choices)}, got {getattr(cfg, f.field_name)!r}"
+            for f in FLAGS if f.choices and f.field_name and not f.validated_by
+            and getattr(cfg, f.field_name) not in f.choices]
 
 
 def split_units(value: str) -> tuple[int, ...] | None:
@@ -427,9 +428,7 @@ def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
 def flextp_problems(cfg: TrainConfig) -> list[str]:
     """What --tp-balance and the --flextp-* flags cannot do (empty when fine)."""
     from dynapipe_ext.flextp.policy import MODES, parse_speeds
-    if cfg.tp_balance not in MODES:
-        return [f"--tp-balance must be one of {', '.join(MODES)}, got {cfg.tp_balance!r}"]
-    if cfg.tp_balance == "off":
+    if cfg.tp_balance == "off" or cfg.tp_balance not in MODES:   # choice_problems says so
         return []
     checks = [(cfg.tensor_model_parallel_size >= 2, "needs --tensor-model-parallel-size >= 2"),
               (cfg.model == "gpt", "supports GPT models only (pretrain_gpt.py)"),
@@ -528,271 +527,315 @@ def planner_workers(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
+# Groups: key -> argparse title (the order of --help and docs/FLAGS.md).
+MODEL, PARALLEL, FLEXTP, PLANNING, OPTIMIZER, DATA, CHECKPOINT = (
+    "model", "parallel", "flextp", "planning", "optimizer", "data", "checkpoint")
+GROUP_TITLES = {
+    MODEL: "model", PARALLEL: "parallelism",
+    FLEXTP: "FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)",
+    PLANNING: "batches and planning", OPTIMIZER: "optimisation", DATA: "data",
+    CHECKPOINT: "checkpoints and logging"}
+T5 = ("t5",)
+
+
+def declare(group: str, *names: str, models=MODELS, exclusive: str | None = None,
+            field: str | None = "", negate: bool = False, validated_by: str | None = None,
+            **kwargs) -> Flag:
+    return Flag(names, group, kwargs, models, exclusive, field, negate, validated_by)
+
+
+# Every flag of pretrain_gpt.py / pretrain_t5.py, declared here only (the FlexTP ones in
+# dynapipe_ext/flextp/policy.py); choices come from the code that owns them.
+FLAGS: tuple[Flag, ...] = (
+    # model
+    declare(MODEL, "--num-layers", type=int, default=None, field=None,
+            help={"gpt": "transformer layers, required",
+                  "t5": "transformer layers, required (T5: encoder and decoder each, unless "
+                        "the two flags below are given)"}),
+    declare(MODEL, "--encoder-num-layers", type=int, default=None, models=T5, field=None,
+            help="T5 encoder layers"),
+    declare(MODEL, "--decoder-num-layers", type=int, default=None, models=T5, field=None,
+            help="T5 decoder layers"),
+    declare(MODEL, "--hidden-size", type=int, required=True),
+    declare(MODEL, "--num-attention-heads", type=int, required=True),
+    declare(MODEL, "--ffn-hidden-size", field=None, type=int, default=None,
+            help="default 4 x hidden size"),
+    declare(MODEL, "--seq-length", type=int, default=None, field=None,
+            help={"gpt": "GPT: max tokens per sample (longer ones are truncated), default 512",
+                  "t5": "T5: same as --encoder-seq-length"}),
+    declare(MODEL, "--encoder-seq-length", type=int, default=None, models=T5, field=None,
+            help="T5 encoder max tokens, default 512"),
+    declare(MODEL, "--decoder-seq-length", type=int, default=None, models=T5, field=None,
+            help="T5 decoder max tokens, default 128"),
+    declare(MODEL, "--max-position-embeddings", field=None, type=int, default=None,
+            help="default: the longest sequence length"),
+    declare(MODEL, "--untie-embeddings-and-output-weights", action="store_true",
+            help="give the output layer its own weights; by default it shares the "
+                 "input word embedding, as in Megatron (T5's decoder embedding always "
+                 "does; T5 v1.1 / FLAN-T5 are untied)"),
+    declare(MODEL, "--normalization", choices=NORMALIZATIONS, default="LayerNorm",
+            validated_by="ModelSpec",
+            help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)"),
+    declare(MODEL, "--norm-epsilon", type=float, default=1e-5,
+            help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6)"),
+    declare(MODEL, "--disable-bias-linear", field="add_bias_linear", negate=True,
+            action="store_true",
+            help="no biases in the attention and MLP linears (T5 v1.1 / FLAN-T5)"),
+    declare(MODEL, "--gated-gelu", field="gated_linear_unit", action="store_true",
+            help="gated GeLU MLP, gelu(x W0) * (x W1) (T5 v1.1's gated-gelu; the MLP "
+                 "then has 3 matrices)"),
+    declare(MODEL, "--softmax-scale", type=float, default=None,
+            help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0"),
+    declare(MODEL, "--kv-channels", field=None, type=int, default=None,
+            help="per-head size; default hidden size / heads (FLAN-T5-small: 64)"),
+    declare(MODEL, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+            validated_by="ModelSpec",
+            default="learned_absolute",
+            models=T5, help="relative: T5's bucketed per-head position bias"),
+    declare(MODEL, "--relative-attention-num-buckets", type=int, default=32,
+            models=T5, help="relative position buckets"),
+    declare(MODEL, "--relative-attention-max-distance", type=int, default=128,
+            models=T5, help="distance at which relative position buckets stop"),
+    # parallelism
+    declare(PARALLEL, "--tensor-model-parallel-size", type=int, default=1),
+    declare(PARALLEL, "--pipeline-model-parallel-size", type=int, default=1),
+    declare(PARALLEL, "--pipeline-split", default="even",
+            help="how GPT layers are cut into pipeline stages: 'even': whole layers "
+                 "(they must divide evenly); 'balanced': in half layers (attention | "
+                 "MLP), so that the stages' predicted times, output layer included, "
+                 "are as even as they can be; or half-layer units per (virtual) "
+                 "stage, e.g. 5,3"),
+    declare(PARALLEL, "--distributed-timeout-minutes", field=None, type=float, default=None,
+            help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU"),
+    # FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)
+    *(declare(FLEXTP, *names, **kwargs) for names, kwargs in balance_flags()),
+    declare(FLEXTP, "--flextp-patience", type=int, default=6,
+            help="measurements in a row that must agree before a rank is (no longer) "
+                 "a straggler"),
+    declare(FLEXTP, "--flextp-ffn-unit", type=int, default=0,
+            help="ffn columns per MLP unit (what FlexTP moves or skips); 0: ffn / (16 TP)"),
+    declare(FLEXTP, "--flextp-initial-speeds", default=None,
+            help="relative speed of each TP rank known up front, e.g. 1,0.5: migrate "
+                 "and semi start from the partition proportional to them"),
+    # batches and planning
+    declare(PLANNING, "--tokens-per-global-batch", field=None, exclusive="batch", type=int,
+            default=None,
+            help=TOKENS_HELP),
+    declare(PLANNING, "--global-batch-size", field=None, exclusive="batch", type=int, default=None,
+            help=GLOBAL_BATCH_HELP),
+    declare(PLANNING, "--micro-batching", choices=MICRO_BATCHING, default="dynamic",
+            validated_by="IterationPlannerConfig"),
+    declare(PLANNING, "--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp",
+            validated_by="PlannerConfig",
+            help="packer for --micro-batching packing (GPT and T5; T5 packs the "
+                 "(encoder, decoder) pairs with both length limits held)"),
+    declare(PLANNING, "--max-pack-depth", type=int, default=None,
+            help="most samples in one packed row (default: no limit; nnlshp then "
+                 "uses 3, Krell et al.'s depth)"),
+    declare(PLANNING, "--packing-window", type=int, default=0,
+            help="pack this many samples of the data stream together ahead of "
+                 "training (dataset-level packing, Krell et al.) and make global "
+                 "batches of whole rows; 0 (default): pack each global batch alone"),
+    declare(PLANNING, "--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
+            validated_by="PlannerConfig",
+            help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
+                 "(default), one token stream of its samples (no padding but the "
+                 "alignment at its end; attention within each sample), or 'padded', "
+                 "the DynaPipe paper's one sample per row padded to the longest"),
+    declare(PLANNING, "--micro-batch-size", type=int, default=4,
+            help="rows per micro-batch for --micro-batching padding"),
+    declare(PLANNING, "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
+            validated_by="IterationPlannerConfig",
+            help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
+                 "on the first batch, per iteration the fastest fitting schedule on it"),
+    declare(PLANNING, "--pipeline-waves", type=int, default=1,
+            help="W of Hanayo's wave schedule: the model in 2*W*P stages, folded W times "
+                 "down and up the pipeline ranks"),
+    declare(PLANNING, "--num-virtual-stages-per-pipeline-rank", field=None, exclusive="virtual",
+            type=int, default=None,
+            help="v of interleaved 1F1B (Megatron's virtual pipeline): v*P "
+                 "stages, stage s on rank s mod P (default 2)"),
+    declare(PLANNING, "--num-layers-per-virtual-pipeline-stage", field=None, exclusive="virtual",
+            type=int, default=None,
+            help="Megatron's other spelling: v = layers / (P x this)"),
+    declare(PLANNING, "--num-planner-workers", type=planner_workers, default=1,
+            help="background planner processes per node (0: plan inline on the "
+                 "node's planning leader; 'auto': from the node's free cores and the "
+                 "measured planning time against the predicted iteration time)"),
+    declare(PLANNING, "--replica-split", choices=REPLICA_SPLITS + ("auto",), default="auto",
+            validated_by="IterationPlannerConfig",
+            help="'auto' (default): 'micro-batches' on one node, 'samples' when the "
+                 "run spans several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE); "
+                 "'micro-batches': plan the whole batch, then split its micro-batches "
+                 "over data-parallel replicas (best balance; planning is global); "
+                 "'samples': deal samples to replicas first, then plan each replica "
+                 "on its own node (planning per node ~ samples / nodes)"),
+    declare(PLANNING, "--plan-prefetch", type=int, default=2,
+            help="how many iterations ahead plans are made"),
+    declare(PLANNING, "--check-plans", action="store_true",
+            help="run the plan checker on every plan before executing it"),
+    declare(PLANNING, "--cost-model", field=None, default=None,
+            help="'analytic'; 'profile': profile this run's model, device, precision "
+                 "and TP on first use (a minute or two) and reuse it from the cache "
+                 "later; or the path of a profile made by tools/profile_cost_model.py. "
+                 "Default: 'profile' on GPU (the analytic model knows no per-micro-batch "
+                 "launch cost there and cuts too many micro-batches), 'analytic' on CPU"),
+    declare(PLANNING, "--cost-model-cache-dir", default=None,
+            help="where --cost-model profile keeps profiles (default "
+                 "$XDG_CACHE_HOME or ~/.cache, then megatron-dynapipe/profiles)"),
+    declare(PLANNING, "--device-flops", type=float, default=None,
+            help="device compute rate (FLOP/s) the planner assumes; default: a short "
+                 "matmul calibration on GPU, a fixed nominal rate on CPU"),
+    declare(PLANNING, "--device-memory-gb", type=float, default=None,
+            help="memory per rank (GiB) the planner assumes; default: the GPU's total "
+                 "memory, on CPU the physical memory / ranks on this node"),
+    declare(PLANNING, "--memory-headroom-gb", type=float, default=None,
+            help="memory (GiB) kept free for the allocator, CUDA context and NCCL; "
+                 "default 10%% of the memory, + 1 GiB on GPU"),
+    declare(PLANNING, "--p2p-bandwidth-gbps", type=float, default=None,
+            help="pipeline link bandwidth (GB/s) for the schedule search; default: "
+                 "timed at start-up on GPU with PP > 1, not modelled on CPU"),
+    declare(PLANNING, "--p2p-latency-us", type=float, default=None,
+            help="pipeline link latency (microseconds), with --p2p-bandwidth-gbps"),
+    # optimisation
+    declare(OPTIMIZER, "--lr", type=float, default=1e-3),
+    declare(OPTIMIZER, "--min-lr", type=float, default=0.0),
+    declare(OPTIMIZER, "--lr-warmup-iters", type=int, default=0),
+    declare(OPTIMIZER, "--lr-decay-iters", field=None, type=int, default=None,
+            help="default --train-iters (at least the warm-up)"),
+    declare(OPTIMIZER, "--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
+            help="after warm-up: constant, linear or cosine from --lr to --min-lr over "
+                 "--lr-decay-iters, inverse-square-root (lr x sqrt(warm-up / step), "
+                 "at least --min-lr), or WSD (warm-up, stable at --lr, then decay to "
+                 "--min-lr over the last --lr-wsd-decay-iters before --lr-decay-iters)"),
+    declare(OPTIMIZER, "--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
+            help="WSD's annealing shape (megatron-core's OptimizerParamScheduler): "
+                 "exponential (2 x 0.5^r - 1), linear (1 - r), cosine or minus_sqrt "
+                 "(1 - sqrt(r)) of the annealing progress r"),
+    declare(OPTIMIZER, "--lr-wsd-decay-iters", field=None, type=int, default=None,
+            help="iterations of WSD's annealing phase, required with --lr-decay-style "
+                 "WSD (Megatron's --lr-wsd-decay-samples has no counterpart: a global "
+                 "batch here has a variable number of samples)"),
+    declare(OPTIMIZER, "--weight-decay", type=float, default=0.01),
+    declare(OPTIMIZER, "--adam-beta1", type=float, default=0.9),
+    declare(OPTIMIZER, "--adam-beta2", type=float, default=0.999),
+    declare(OPTIMIZER, "--adam-eps", type=float, default=1e-8),
+    declare(OPTIMIZER, "--clip-grad", type=float, default=1.0, help="global norm; 0 disables"),
+    declare(OPTIMIZER, "--train-iters", type=int, required=True),
+    declare(OPTIMIZER, "--bf16", action="store_true",
+            help="bf16 parameters and activations; fp32 main gradients, master weights "
+                 "and Adam state (CPU, or a GPU with bf16)"),
+    declare(OPTIMIZER, "--fp16", action="store_true", help="not supported; use --bf16"),
+    declare(OPTIMIZER, "--seed", type=int, default=1234),
+    declare(OPTIMIZER, "--hidden-dropout", type=float, default=0.1,
+            help="dropout on the embeddings and after attention and MLP (Megatron's "
+                 "default 0.1; 0 turns it off)"),
+    declare(OPTIMIZER, "--attention-dropout", type=float, default=0.1,
+            help="dropout on the attention probabilities (Megatron's default 0.1); on "
+                 "CPU any value > 0 runs attention unfused (torch's fused CPU kernel "
+                 "has no dropout): slower, and s^2 activations per head"),
+    declare(OPTIMIZER, "--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+            help="GPU: run bias + GeLU unfused (megatron-core's fusion is torch.compile'd "
+                 "and compiles again for new micro-batch shapes while it warms up)"),
+    declare(OPTIMIZER, "--no-bias-dropout-fusion", action="store_false",
+            dest="bias_dropout_fusion",
+            help="GPU: run bias + dropout + residual add unfused"),
+    # data
+    declare(DATA, "--data-path", required=True, nargs="+",
+            help="output prefix given to tools/preprocess_flan.py; Megatron's blend "
+                 "'W1 P1 W2 P2 ...' samples prefix Pi with share Wi / sum(W) (several "
+                 "prefixes without weights are mixed as one dataset); task names are "
+                 "merged across prefixes"),
+    declare(DATA, "--mixing-cap", type=int, default=None,
+            help="FLAN's examples-proportional mixing (seqio): a task of n samples is "
+                 "drawn at a rate proportional to min(n, cap), within each weighted "
+                 "prefix; default no cap (rate proportional to n)"),
+    declare(DATA, "--mixing-temperature", type=float, default=1.0,
+            help="rates proportional to min(n, cap) ** (1 / T); T > 1 flattens the "
+                 "mixture towards small tasks (default 1)"),
+    declare(DATA, "--split", default=None,
+            help="Megatron's train,validation,test shares of --data-path, e.g. "
+                 "969,30,1: Megatron's part sizes, each part spread over the tasks "
+                 "(seeded; no sample in two parts); training draws from the first. "
+                 "Default: train on every sample"),
+    declare(DATA, "--valid-data-path", nargs="+", default=None,
+            help="validation data, the same syntax as --data-path (instead of --split)"),
+    *(declare(DATA, *names, **kwargs) for names, kwargs in tokenizer_flags()),
+    declare(DATA, "--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
+            help="pad the vocabulary to a multiple of this x --tensor-model-parallel-"
+                 "size, as Megatron (default 128); a checkpoint loads where the padded "
+                 "sizes agree, e.g. 64 pads FLAN-T5's 32100 tokens to its 32128 rows at "
+                 "TP=1 and TP=2"),
+    # checkpoints and logging
+    declare(CHECKPOINT, "--save", default=None, help="checkpoint directory to write"),
+    declare(CHECKPOINT, "--save-interval", type=int, default=0, help="iterations between saves"),
+    declare(CHECKPOINT, "--load", default=None, help="checkpoint directory to resume from"),
+    declare(CHECKPOINT, "--keep-last", type=int, default=0,
+            help="keep only the newest N complete checkpoints (0: keep all)"),
+    declare(CHECKPOINT, "--override-opt-param-scheduler", "--override-opt_param-scheduler",
+            dest="override_opt_param_scheduler", action="store_true",
+            help="on --load, follow this run's LR schedule flags, not the checkpoint's"),
+    declare(CHECKPOINT, "--use-checkpoint-opt-param-scheduler",
+            "--use-checkpoint-opt_param-scheduler",
+            dest="use_checkpoint_opt_param_scheduler", action="store_true",
+            help="on --load, keep the checkpoint's LR schedule settings"),
+    declare(CHECKPOINT, "--finetune", action="store_true",
+            help="on --load, load the model weights only and start at iteration 0 with "
+                 "a fresh optimizer, LR schedule and sampler (e.g. converted weights)"),
+    declare(CHECKPOINT, "--no-load-optim", action="store_true",
+            help="on --load, keep a fresh optimizer and follow this run's LR flags"),
+    declare(CHECKPOINT, "--no-load-rng", action="store_true",
+            help="on --load, do not restore RNG states (reseed from --seed)"),
+    declare(CHECKPOINT, "--log-interval", type=int, default=1),
+    declare(CHECKPOINT, "--eval-interval", type=int, default=0,
+            help="evaluate on the validation data every N iterations and after the "
+                 "last one (0: never, the default)"),
+    declare(CHECKPOINT, "--eval-iters", type=int, default=100,
+            help="validation global batches per evaluation (the same batches each "
+                 "time, so evaluations compare)"),
+    declare(CHECKPOINT, "--tensorboard-dir", default=None,
+            help="write TensorBoard scalars here (needs `pip install tensorboard`, "
+                 "which requirements.txt leaves out)"),
+    declare(CHECKPOINT, "--stats-file", default=None,
+            help="append every iteration's numbers as a JSON line (rank 0)"),
+    declare(CHECKPOINT, "--profile", action="store_true",
+            help="run torch.profiler over iterations [--profile-step-start, "
+                 "--profile-step-end) on --profile-ranks: a table of the costliest ops "
+                 "on stdout, and a Chrome trace in --profile-dir when given"),
+    declare(CHECKPOINT, "--profile-dir", default=None,
+            help="where --profile writes Chrome traces"),
+    declare(CHECKPOINT, "--profile-step-start", type=int, default=10),
+    declare(CHECKPOINT, "--profile-step-end", type=int, default=12),
+    declare(CHECKPOINT, "--profile-ranks", type=int, nargs="+", default=[0]),
+    declare(CHECKPOINT, "--debug", action="store_true",
+            help="on a failure print the traceback, not just the one-line error"),
+)
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
-    """All flags. Like Megatron, the model size and --train-iters have no defaults; the T5-only
-    flags are hidden from GPT's --help (and rejected with a clear message if given)."""
+    """All flags, generated from FLAGS. Like Megatron, the model size and --train-iters have
+    no defaults; the T5-only flags are hidden from GPT's --help (and rejected with a clear
+    message if given)."""
     p = argparse.ArgumentParser(
         prog=f"pretrain_{model}.py",
         description=f"Train a {model.upper()} model on multi-task data with variable-size "
                     f"micro-batches (DynaPipe) on megatron-core.")
-    t5_only = (lambda text: text) if model == "t5" else (lambda text: argparse.SUPPRESS)
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None,
-                   help="transformer layers, required" + (
-                       " (T5: encoder and decoder each, unless the two flags below are given)"
-                       if model == "t5" else ""))
-    g.add_argument("--encoder-num-layers", type=int, default=None,
-                   help=t5_only("T5 encoder layers"))
-    g.add_argument("--decoder-num-layers", type=int, default=None,
-                   help=t5_only("T5 decoder layers"))
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--seq-length", type=int, default=None,
-                   help="GPT: max tokens per sample (longer ones are truncated), default 512"
-                   if model == "gpt" else "T5: same as --encoder-seq-length")
-    g.add_argument("--encoder-seq-length", type=int, default=None,
-                   help=t5_only("T5 encoder max tokens, default 512"))
-    g.add_argument("--decoder-seq-length", type=int, default=None,
-                   help=t5_only("T5 decoder max tokens, default 128"))
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="default: the longest sequence length")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="give the output layer its own weights; by default it shares the "
-                        "input word embedding, as in Megatron (T5's decoder embedding always "
-                        "does; T5 v1.1 / FLAN-T5 are untied)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
-                   help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5,
-                   help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6)")
-    g.add_argument("--disable-bias-linear", action="store_true",
-                   help="no biases in the attention and MLP linears (T5 v1.1 / FLAN-T5)")
-    g.add_argument("--gated-gelu", action="store_true",
-                   help="gated GeLU MLP, gelu(x W0) * (x W1) (T5 v1.1's gated-gelu; the MLP "
-                        "then has 3 matrices)")
-    g.add_argument("--softmax-scale", type=float, default=None,
-                   help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="per-head size; default hidden size / heads (FLAN-T5-small: 64)")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "relative"),
-                   default="learned_absolute",
-                   help=t5_only("relative: T5's bucketed per-head position bias"))
-    g.add_argument("--relative-attention-num-buckets", type=int, default=32,
-                   help=t5_only("relative position buckets"))
-    g.add_argument("--relative-attention-max-distance", type=int, default=128,
-                   help=t5_only("distance at which relative position buckets stop"))
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-split", default="even",
-                   help="how GPT layers are cut into pipeline stages: 'even': whole layers "
-                        "(they must divide evenly); 'balanced': in half layers (attention | "
-                        "MLP), so that the stages' predicted times, output layer included, "
-                        "are as even as they can be; or half-layer units per (virtual) "
-                        "stage, e.g. 5,3")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=None,
-                   help="collective / point-to-point timeout; default 2 on CPU, 30 on GPU")
-
-    g = p.add_argument_group("FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)")
-    add_balance_args(g)
-    g.add_argument("--flextp-patience", type=int, default=6,
-                   help="measurements in a row that must agree before a rank is (no longer) "
-                        "a straggler")
-    g.add_argument("--flextp-ffn-unit", type=int, default=0,
-                   help="ffn columns per MLP unit (what FlexTP moves or skips); 0: ffn / (16 TP)")
-    g.add_argument("--flextp-initial-speeds", default=None,
-                   help="relative speed of each TP rank known up front, e.g. 1,0.5: migrate "
-                        "and semi start from the partition proportional to them")
-    g = p.add_argument_group("batches and planning")
-    batch = g.add_mutually_exclusive_group()
-    batch.add_argument("--tokens-per-global-batch", type=int, default=None, help=TOKENS_HELP)
-    batch.add_argument("--global-batch-size", type=int, default=None, help=GLOBAL_BATCH_HELP)
-    g.add_argument("--micro-batching", choices=MICRO_BATCHING, default="dynamic")
-    g.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="spfhp",
-                   help="packer for --micro-batching packing (GPT and T5; T5 packs the "
-                        "(encoder, decoder) pairs with both length limits held)")
-    g.add_argument("--max-pack-depth", type=int, default=None,
-                   help="most samples in one packed row (default: no limit; nnlshp then "
-                        "uses 3, Krell et al.'s depth)")
-    g.add_argument("--packing-window", type=int, default=0,
-                   help="pack this many samples of the data stream together ahead of "
-                        "training (dataset-level packing, Krell et al.) and make global "
-                        "batches of whole rows; 0 (default): pack each global batch alone")
-    g.add_argument("--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
-                   help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
-                        "(default), one token stream of its samples (no padding but the "
-                        "alignment at its end; attention within each sample), or 'padded', "
-                        "the DynaPipe paper's one sample per row padded to the longest")
-    g.add_argument("--micro-batch-size", type=int, default=4,
-                   help="rows per micro-batch for --micro-batching padding")
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
-                   help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
-                        "on the first batch, per iteration the fastest fitting schedule on it")
-    g.add_argument("--pipeline-waves", type=int, default=1,
-                   help="W of Hanayo's wave schedule: the model in 2*W*P stages, folded W times "
-                        "down and up the pipeline ranks")
-    virtual = g.add_mutually_exclusive_group()
-    virtual.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                         help="v of interleaved 1F1B (Megatron's virtual pipeline): v*P "
-                              "stages, stage s on rank s mod P (default 2)")
-    virtual.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                         help="Megatron's other spelling: v = layers / (P x this)")
-    g.add_argument("--num-planner-workers", type=planner_workers, default=1,
-                   help="background planner processes per node (0: plan inline on the "
-                        "node's planning leader; 'auto': from the node's free cores and the "
-                        "measured planning time against the predicted iteration time)")
-    g.add_argument("--replica-split", choices=REPLICA_SPLITS + ("auto",), default="auto",
-                   help="'auto' (default): 'micro-batches' on one node, 'samples' when the "
-                        "run spans several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE); "
-                        "'micro-batches': plan the whole batch, then split its micro-batches "
-                        "over data-parallel replicas (best balance; planning is global); "
-                        "'samples': deal samples to replicas first, then plan each replica "
-                        "on its own node (planning per node ~ samples / nodes)")
-    g.add_argument("--plan-prefetch", type=int, default=2,
-                   help="how many iterations ahead plans are made")
-    g.add_argument("--check-plans", action="store_true",
-                   help="run the plan checker on every plan before executing it")
-    g.add_argument("--cost-model", default=None,
-                   help="'analytic'; 'profile': profile this run's model, device, precision "
-                        "and TP on first use (a minute or two) and reuse it from the cache "
-                        "later; or the path of a profile made by tools/profile_cost_model.py. "
-                        "Default: 'profile' on GPU (the analytic model knows no per-micro-batch "
-                        "launch cost there and cuts too many micro-batches), 'analytic' on CPU")
-    g.add_argument("--cost-model-cache-dir", default=None,
-                   help="where --cost-model profile keeps profiles (default "
-                        "$XDG_CACHE_HOME or ~/.cache, then megatron-dynapipe/profiles)")
-    g.add_argument("--device-flops", type=float, default=None,
-                   help="device compute rate (FLOP/s) the planner assumes; default: a short "
-                        "matmul calibration on GPU, a fixed nominal rate on CPU")
-    g.add_argument("--device-memory-gb", type=float, default=None,
-                   help="memory per rank (GiB) the planner assumes; default: the GPU's total "
-                        "memory, on CPU the physical memory / ranks on this node")
-    g.add_argument("--memory-headroom-gb", type=float, default=None,
-                   help="memory (GiB) kept free for the allocator, CUDA context and NCCL; "
-                        "default 10%% of the memory, + 1 GiB on GPU")
-    g.add_argument("--p2p-bandwidth-gbps", type=float, default=None,
-                   help="pipeline link bandwidth (GB/s) for the schedule search; default: "
-                        "timed at start-up on GPU with PP > 1, not modelled on CPU")
-    g.add_argument("--p2p-latency-us", type=float, default=None,
-                   help="pipeline link latency (microseconds), with --p2p-bandwidth-gbps")
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters (at least the warm-up)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
-                   help="after warm-up: constant, linear or cosine from --lr to --min-lr over "
-                        "--lr-decay-iters, inverse-square-root (lr x sqrt(warm-up / step), "
-                        "at least --min-lr), or WSD (warm-up, stable at --lr, then decay to "
-                        "--min-lr over the last --lr-wsd-decay-iters before --lr-decay-iters)")
-    g.add_argument("--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
-                   help="WSD's annealing shape (megatron-core's OptimizerParamScheduler): "
-                        "exponential (2 x 0.5^r - 1), linear (1 - r), cosine or minus_sqrt "
-                        "(1 - sqrt(r)) of the annealing progress r")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
-                   help="iterations of WSD's annealing phase, required with --lr-decay-style "
-                        "WSD (Megatron's --lr-wsd-decay-samples has no counterpart: a global "
-                        "batch here has a variable number of samples)")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="global norm; 0 disables")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and activations; fp32 main gradients, master weights "
-                        "and Adam state (CPU, or a GPU with bf16)")
-    g.add_argument("--fp16", action="store_true", help="not supported; use --bf16")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--hidden-dropout", type=float, default=0.1,
-                   help="dropout on the embeddings and after attention and MLP (Megatron's "
-                        "default 0.1; 0 turns it off)")
-    g.add_argument("--attention-dropout", type=float, default=0.1,
-                   help="dropout on the attention probabilities (Megatron's default 0.1); on "
-                        "CPU any value > 0 runs attention unfused (torch's fused CPU kernel "
-                        "has no dropout): slower, and s^2 activations per head")
-    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
-                   help="GPU: run bias + GeLU unfused (megatron-core's fusion is torch.compile'd "
-                        "and compiles again for new micro-batch shapes while it warms up)")
-    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
-                   help="GPU: run bias + dropout + residual add unfused")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", required=True, nargs="+",
-                   help="output prefix given to tools/preprocess_flan.py; Megatron's blend "
-                        "'W1 P1 W2 P2 ...' samples prefix Pi with share Wi / sum(W) (several "
-                        "prefixes without weights are mixed as one dataset); task names are "
-                        "merged across prefixes")
-    g.add_argument("--mixing-cap", type=int, default=None,
-                   help="FLAN's examples-proportional mixing (seqio): a task of n samples is "
-                        "drawn at a rate proportional to min(n, cap), within each weighted "
-                        "prefix; default no cap (rate proportional to n)")
-    g.add_argument("--mixing-temperature", type=float, default=1.0,
-                   help="rates proportional to min(n, cap) ** (1 / T); T > 1 flattens the "
-                        "mixture towards small tasks (default 1)")
-    g.add_argument("--split", default=None,
-                   help="Megatron's train,validation,test shares of --data-path, e.g. "
-                        "969,30,1: Megatron's part sizes, each part spread over the tasks "
-                        "(seeded; no sample in two parts); training draws from the first. "
-                        "Default: train on every sample")
-    g.add_argument("--valid-data-path", nargs="+", default=None,
-                   help="validation data, the same syntax as --data-path (instead of --split)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-extra-ids", type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_MULTIPLE,
-                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-"
-                        "size, as Megatron (default 128); a checkpoint loads where the padded "
-                        "sizes agree, e.g. 64 pads FLAN-T5's 32100 tokens to its 32128 rows at "
-                        "TP=1 and TP=2")
-
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--save-interval", type=int, default=0, help="iterations between saves")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    g.add_argument("--keep-last", type=int, default=0,
-                   help="keep only the newest N complete checkpoints (0: keep all)")
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true",
-                   help="on --load, follow this run's LR schedule flags, not the checkpoint's")
-    g.add_argument("--use-checkpoint-opt-param-scheduler",
-                   "--use-checkpoint-opt_param-scheduler",
-                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
-                   help="on --load, keep the checkpoint's LR schedule settings")
-    g.add_argument("--finetune", action="store_true",
-                   help="on --load, load the model weights only and start at iteration 0 with "
-                        "a fresh optimizer, LR schedule and sampler (e.g. converted weights)")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="on --load, keep a fresh optimizer and follow this run's LR flags")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="on --load, do not restore RNG states (reseed from --seed)")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--eval-interval", type=int, default=0,
-                   help="evaluate on the validation data every N iterations and after the "
-                        "last one (0: never, the default)")
-    g.add_argument("--eval-iters", type=int, default=100,
-                   help="validation global batches per evaluation (the same batches each "
-                        "time, so evaluations compare)")
-    g.add_argument("--tensorboard-dir", default=None,
-                   help="write TensorBoard scalars here (needs `pip install tensorboard`, "
-                        "which requirements.txt leaves out)")
-    g.add_argument("--stats-file", default=None,
-                   help="append every iteration's numbers as a JSON line (rank 0)")
-    g.add_argument("--profile", action="store_true",
-                   help="run torch.profiler over iterations [--profile-step-start, "
-                        "--profile-step-end) on --profile-ranks: a table of the costliest ops "
-                        "on stdout, and a Chrome trace in --profile-dir when given")
-    g.add_argument("--profile-dir", default=None, help="where --profile writes Chrome traces")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
-    g.add_argument("--debug", action="store_true",
-                   help="on a failure print the traceback, not just the one-line error")
+    add_flags(p, FLAGS, GROUP_TITLES, model)
     return p
+
+
+def add_flag_group(parser: argparse.ArgumentParser, group: str,
+                   only: Sequence[str] | None = None, model: str | None = None,
+                   title: str | None = None, **overrides: dict) -> None:
+    """The trainer's flags of `group` (all, or the dests in `only`, in that order) on a
+    tool's parser, as FLAGS declares them, in the argument group `title` (default the
+    trainer's; "": no group). `overrides`: per dest, keywords that replace the declared
+    ones, e.g. num_layers=dict(default=4), plus `aliases` (extra spellings)."""
+    chosen = [f for f in FLAGS if f.group == group]
+    if only is not None:
+        chosen = [flag_by_dest(chosen, dest) for dest in only]
+    add_flags(parser, chosen, {group: GROUP_TITLES[group] if title is None else title}, model,
+              overrides)
 
 
 def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | None = None,
@@ -836,12 +879,27 @@ def given(value, default):
 
 
 def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> TrainConfig:
-    """Resolve Megatron's defaults (T5 layer counts, sequence lengths) into a TrainConfig."""
+    """A TrainConfig from parsed flags: each flag's value goes to the field it declares
+    (lists as tuples), then `resolved_fields` fills the fields with Megatron's derived
+    defaults (T5 layer counts, sequence lengths, ...)."""
     for name in FLAGS_WITH_DEFAULTS:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag(name)} must be > 0, got {value} (leave the flag out "
                               f"for its default)")
+    values = {}
+    for f in FLAGS:
+        if f.field_name is not None:
+            value = getattr(args, f.dest)
+            values[f.field_name] = (not value if f.negate else
+                                    tuple(value) if isinstance(value, list) else value)
+    values.update(resolved_fields(model, args, has_cuda))
+    return TrainConfig(model=model, **values)
+
+
+def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dict:
+    """The fields whose flags (`field=None` in FLAGS) default from other flags, the model
+    or the device, as Megatron resolves them."""
     if model == "t5":
         num_layers = given(args.encoder_num_layers, args.num_layers)
         decoder_layers = given(args.decoder_num_layers, args.num_layers)
@@ -861,79 +919,59 @@ def config_from_args(model: str, args: argparse.Namespace, has_cuda: bool) -> Tr
         num_layers, decoder_layers = args.num_layers, 0
         seq_length = given(args.seq_length, given(args.encoder_seq_length, 512))
         dec_length = 0
-    timeout = given(args.distributed_timeout_minutes, 30.0 if has_cuda else 2.0)
     tokens = given(args.tokens_per_global_batch, 4096)
     if args.global_batch_size is not None:   # N samples: a token budget they always fit in
         tokens = args.global_batch_size * (seq_length + dec_length)
-    return TrainConfig(
-        model=model, num_layers=num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=given(args.ffn_hidden_size, 4 * args.hidden_size),
+    return dict(
+        num_layers=num_layers, decoder_num_layers=decoder_layers,
         seq_length=seq_length, decoder_seq_length=dec_length,
+        ffn_hidden_size=given(args.ffn_hidden_size, 4 * args.hidden_size),
         max_position_embeddings=given(args.max_position_embeddings,
                                       max(seq_length, dec_length)),
-        decoder_num_layers=decoder_layers,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        distributed_timeout_minutes=timeout,
+        kv_channels=given(args.kv_channels, 0),
+        distributed_timeout_minutes=given(args.distributed_timeout_minutes,
+                                          30.0 if has_cuda else 2.0),
         tokens_per_global_batch=tokens, global_batch_size=given(args.global_batch_size, 0),
-        micro_batching=args.micro_batching, packing_algorithm=args.packing_algorithm,
-        dynamic_layout=args.dynamic_layout,
-        micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
-        pipeline_waves=args.pipeline_waves,
         num_virtual_stages_per_pipeline_rank=virtual_stages_given(
             args, (args.num_layers or 0) + decoder_layers),
-        num_planner_workers=args.num_planner_workers, plan_prefetch=args.plan_prefetch,
-        replica_split=args.replica_split, max_pack_depth=args.max_pack_depth,
-        packing_window=args.packing_window,
-        check_plans=args.check_plans,
         cost_model=given(args.cost_model, default_cost_model(has_cuda)),
-        lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None
-        else max(args.train_iters, args.lr_warmup_iters),
-        lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, train_iters=args.train_iters, bf16=args.bf16,
-        fp16=args.fp16, seed=args.seed, data_path=tuple(args.data_path),
-        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-        save=args.save, save_interval=args.save_interval, load=args.load,
-        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-        stats_file=args.stats_file, keep_last=args.keep_last,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        finetune=args.finetune, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-        debug=args.debug, mixing_cap=args.mixing_cap,
-        mixing_temperature=args.mixing_temperature,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
-        profile=args.profile, profile_step_start=args.profile_step_start,
-        profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
-        profile_dir=args.profile_dir,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-        lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0),
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        valid_data_path=tuple(args.valid_data_path) if args.valid_data_path else None,
-        split=args.split,
-        device_flops=args.device_flops,
-        device_memory_gb=args.device_memory_gb, memory_headroom_gb=args.memory_headroom_gb,
-        p2p_bandwidth_gbps=args.p2p_bandwidth_gbps, p2p_latency_us=args.p2p_latency_us,
-        cost_model_cache_dir=args.cost_model_cache_dir,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        add_bias_linear=not args.disable_bias_linear, gated_linear_unit=args.gated_gelu,
-        softmax_scale=args.softmax_scale, kv_channels=given(args.kv_channels, 0),
-        position_embedding_type=args.position_embedding_type,
-        relative_attention_num_buckets=args.relative_attention_num_buckets,
-        relative_attention_max_distance=args.relative_attention_max_distance,
-        vocab_extra_ids=args.vocab_extra_ids,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        pipeline_split=args.pipeline_split, tp_balance=args.tp_balance, flextp_interval=args.flextp_interval,
-        flextp_max_drop_fraction=args.flextp_max_drop_fraction,
-        flextp_accuracy_weight=args.flextp_accuracy_weight,
-        flextp_min_horizon=args.flextp_min_horizon, flextp_patience=args.flextp_patience,
-        flextp_ffn_unit=args.flextp_ffn_unit, flextp_initial_speeds=args.flextp_initial_speeds)
+        lr_decay_iters=given(args.lr_decay_iters, max(args.train_iters, args.lr_warmup_iters)),
+        lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0))
 
 
 def config_field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
+
+
+FLAGS_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "FLAGS.md")
+
+
+def flags_markdown() -> str:
+    """docs/FLAGS.md: per group a table of the flags of pretrain_gpt.py and pretrain_t5.py
+    (flag, default, choices, help), generated from FLAGS, the declarations the parsers are
+    built from."""
+    parts = ["# Flags of pretrain_gpt.py and pretrain_t5.py", "",
+             "Generated from the flag declarations in `megatron/training/arguments.py` (`FLAGS`);",
+             "do not edit by hand. Regenerate with",
+             "`python -m megatron.training.arguments --write-flags-doc`.",
+             "A flag marked (T5 only) is hidden from pretrain_gpt.py's --help (given there, a",
+             "T5 value is rejected with a message). Help that differs between the models is",
+             "given per model.", ""]
+    for group, title in GROUP_TITLES.items():
+        flags = [f for f in FLAGS if f.group == group]
+        parts += [f"## {title}", "", markdown_table(flags, MODELS), ""]
+    return "\n".join(parts)
+
+
+def write_flags_doc(path: str = FLAGS_DOC) -> str:
+    with open(path, "w") as f:
+        f.write(flags_markdown())
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--write-flags-doc"]:
+        sys.exit("usage: python -m megatron.training.arguments --write-flags-doc")
+    print(f"wrote {write_flags_doc()}")

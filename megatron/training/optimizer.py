@@ -11,10 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.model.full_state import local_part, shaped_like, shard_of, shard_view
+from megatron.training.arguments import LR_WSD_DECAY_STYLES as WSD_DECAY_STYLES
 from megatron.training.grad_buffer import GradBuffer
-
-
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,

@@ -27,6 +27,7 @@ from dynapipe_ext.costs.model_spec import ModelSpec
 from dynapipe_ext.plan.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
                                             pipeline_layout)
 from dynapipe_ext.batching.planners import PlannerConfig
+from dynapipe_ext.schedule.simulator import CommModel
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow
@@ -320,11 +321,14 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
 
 # ---------------------------------------------------------------------------- planning
 
-def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlannerConfig:
+def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int, comm: CommModel | None = None,
+                   auto_layout: str = "linear") -> IterationPlannerConfig:
     """What the iteration planner needs to know about this run (picklable, for its workers),
     with the cost model of this run's device and precision (device_costs). The one place a
     run's planner settings are made: trainer, tools and tests call it. Its `pipeline_layout`
-    is also the stage layout the model is built with."""
+    is also the stage layout the model is built with. What the run finds out at start-up
+    comes in as arguments: `comm`, the measured pipeline link (default: --p2p-* flags), and
+    `auto_layout`, the layout --pipeline-schedule auto runs on."""
     pp = cfg.pipeline_model_parallel_size
     split = PlannerConfig(
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
@@ -340,8 +344,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int) -> IterationPlann
         tp=cfg.tensor_model_parallel_size, waves=cfg.pipeline_waves,
         virtual_stages=virtual_stages(cfg),
         cost_model=device_costs.cost_model_source(cfg, dp, spec=spec),
-        dtype=model_dtype(cfg), check_plans=cfg.check_plans,
-        comm=device_costs.comm_model(cfg), replica_split=replica_split(cfg))
+        dtype=model_dtype(cfg), check_plans=cfg.check_plans, auto_layout=auto_layout,
+        comm=comm or device_costs.comm_model(cfg), replica_split=replica_split(cfg))
 
 
 def replica_split(cfg: TrainConfig) -> str:
@@ -388,14 +392,14 @@ def agree_or_raise(problems: list[str], what: str) -> None:
         raise RunSetupError(f"{what}:\n  " + "\n  ".join(lines))
 
 
-def auto_layout_here(plan_cfg: IterationPlannerConfig, lengths, rank: int,
-                     say: bool) -> IterationPlannerConfig:
+def auto_layout_here(trial_config, lengths, rank: int) -> str:
     """--pipeline-schedule auto: the layout rank 0 finds predicted fastest for the first batch
-    (choose_auto_layout, with the run's cost model and link), the same on every rank."""
-    problems, chosen = [], plan_cfg.auto_layout
+    (choose_auto_layout on `trial_config()`, the run's planner config on the linear layout,
+    with its cost model and link), the same on every rank."""
+    problems, chosen = [], "linear"
     if rank == 0:
         try:
-            chosen = choose_auto_layout(plan_cfg, lengths).auto_layout
+            chosen = choose_auto_layout(trial_config(), lengths).auto_layout
         except ValueError as err:
             problems.append(str(err))
     agree_or_raise(problems, "--pipeline-schedule auto")
@@ -403,12 +407,7 @@ def auto_layout_here(plan_cfg: IterationPlannerConfig, lengths, rank: int,
         box = [chosen]
         dist.broadcast_object_list(box, src=0)
         chosen = box[0]
-    plan_cfg = dataclasses.replace(plan_cfg, auto_layout=chosen)
-    if say:
-        print(f"[train] --pipeline-schedule auto: {chosen} layout "
-              f"({len(pipeline_layout(plan_cfg))} stages), predicted fastest on the first batch",
-              flush=True)
-    return plan_cfg
+    return chosen
 
 
 # ---------------------------------------------------------------------------- the run
@@ -443,8 +442,9 @@ class TrainingRun:
 
 def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) -> TrainingRun:
     """Everything a run needs, in the order in which things can go wrong.
-    `make_planner_config(cfg, spec, dp)` replaces `planner_config` (the throughput benchmark
-    plans with its own cost-model figures); `verbose=False` keeps rank 0 from printing."""
+    `make_planner_config(cfg, spec, dp, comm=, auto_layout=)` replaces `planner_config` (the
+    throughput benchmark plans with its own cost-model figures); it is called once, when the
+    pipeline cut, link and layout are known. `verbose=False` keeps rank 0 from printing."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_device_precision(cfg, use_cuda())
@@ -458,13 +458,13 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
         spec = dataclasses.replace(spec, pipeline_cut=given_cut(cfg, spec))
     except ValueError as err:
         raise RunSetupError(str(err)) from err
-    plan_cfg = (make_planner_config or planner_config)(cfg, spec,
-                                                       cfg.data_parallel_size(world_size))
+    make = make_planner_config or planner_config
+    dp = cfg.data_parallel_size(world_size)
     layout = setup_model_parallel(     # 'auto' is checked on its linear layout here
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
         timeout_s=cfg.distributed_timeout_minutes * 60,
         total_layers=spec.total_layers if cfg.pipeline_split == "even" else None,
-        num_stages=len(pipeline_layout(plan_cfg)), vocab_size=spec.vocab_size,
+        num_stages=pipeline_stage_count(cfg), vocab_size=spec.vocab_size,
         num_attention_heads=cfg.num_attention_heads)
     if cfg.cost_model == "profile":      # made on first use, then read from the cache
         try:
@@ -473,17 +473,24 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                                              if verbose else (lambda line: None))
         except device_costs.CostProfileError as err:
             raise RunSetupError(str(err)) from err
-    if plan_cfg.comm is None and layout.device.type == "cuda" and layout.pp > 1:
+    link = None     # read on rank 0, the planner
+    if device_costs.comm_model(cfg) is None and layout.device.type == "cuda" and layout.pp > 1:
         link = device_costs.measure_link(pipeline_p2p_groups(), layout.device)
-        plan_cfg = dataclasses.replace(plan_cfg, comm=link)   # read on rank 0, the planner
-    if cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even" and layout.pp > 1:
-        plan_cfg = auto_layout_here(plan_cfg, data.batch_lengths(0), layout.rank,
-                                    verbose and layout.rank == 0)
-    stage_to_rank = pipeline_layout(plan_cfg)
     if cfg.pipeline_split == "balanced":     # every rank cuts alike (averaged measurement)
         cut = balanced_cut_here(cfg, spec, data.batch_lengths(0), layout)
         spec = dataclasses.replace(spec, pipeline_cut=cut)
-        plan_cfg = dataclasses.replace(plan_cfg, spec=spec)
+    auto_layout = "linear"
+    choose_layout = (cfg.pipeline_schedule == "auto" and cfg.pipeline_split == "even"
+                     and layout.pp > 1)
+    if choose_layout:
+        auto_layout = auto_layout_here(
+            lambda: make(cfg, spec, dp, comm=link, auto_layout="linear"),
+            data.batch_lengths(0), layout.rank)
+    plan_cfg = make(cfg, spec, dp, comm=link, auto_layout=auto_layout)   # the run's, once
+    stage_to_rank = pipeline_layout(plan_cfg)
+    if choose_layout and verbose and layout.rank == 0:
+        print(f"[train] --pipeline-schedule auto: {auto_layout} layout "
+              f"({len(stage_to_rank)} stages), predicted fastest on the first batch", flush=True)
     stages = build_stages(cfg, spec, layout, stage_to_rank)
     flextp = None
     if cfg.tp_balance != "off":    # uneven TP slots; before the gradient buffer sees shapes
