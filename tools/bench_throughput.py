@@ -626,6 +626,7 @@ def machine_description(device: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from dynapipe_ext.batching.packing import ALGORITHMS
     from megatron.training.arguments import add_flag_group
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -660,7 +661,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--bf16", action="store_true", help="bf16 model (GPU; default there)")
     g.add_argument("--packing-algorithm", default="best",
-                   choices=("best", "nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp"),
+                   choices=("best",) + ALGORITHMS,
                    help="packer of the packing rows (and of dynamic's packing candidate); "
                         "'best' (default): the one with the most real tokens per slot on the "
                         "timed global batches, chosen per (model, max length) and recorded")

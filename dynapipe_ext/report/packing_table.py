@@ -3,9 +3,7 @@ and the helpers of the Packers section (tools/bench_packers.py)."""
 from __future__ import annotations
 
 from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS
-
-# the packers of the Packers section, per batch and windowed
-PACKERS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+from dynapipe_ext.batching.packing import ALGORITHMS as PACKERS  # the Packers section's
 
 
 def packing_markdown(rows: list[dict]) -> str:
