@@ -257,7 +257,8 @@ def test_runtime_sample_ranges_follow_the_planner_split():
 def test_component_devices_and_summary_show_the_placement():
     from dynapipe_ext.spindle.scheduler import component_devices, plan_summary
     model = _toy()
-    est = _est(2e-3, 1e-6)
+    est = Estimator({c.layer_kind: LayerFit(2e-3, 1e-6) for c in model.components},
+                    CommModel(1e-5, 1e-9))
     uniform = plan("uniform", model, est, Cluster(2, GiB))
     assert component_devices(uniform) == {c.name: (0, 1) for c in model.components}
     p = plan("spindle", model, est, Cluster(4, GiB))
