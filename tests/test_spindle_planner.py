@@ -252,3 +252,25 @@ def test_runtime_sample_ranges_follow_the_planner_split():
     merged = MetaOp(0, ("a", "b"), (3, 4), "k", ("c",), 1, 7, 70, 1, 1, (), 0)
     ranges = task_ranges(merged, (5, 2))
     assert ranges == {5: {"a": (0, 3), "b": (0, 1)}, 2: {"b": (1, 4)}}
+
+
+def test_component_devices_and_summary_show_the_placement():
+    from dynapipe_ext.spindle.scheduler import component_devices, plan_summary
+    model = _toy()
+    est = Estimator({c.layer_kind: LayerFit(2e-3, 1e-6) for c in model.components},
+                    CommModel(1e-5, 1e-9))
+    uniform = plan("uniform", model, est, Cluster(2, GiB))
+    assert component_devices(uniform) == {c.name: (0, 1) for c in model.components}
+    p = plan("spindle", model, est, Cluster(4, GiB))
+    held = component_devices(p)
+    by_id = {m.id: m for m in p.metaops}
+    for w in p.waves:
+        for pl in w.placed:
+            for comp in by_id[pl.op].components:
+                assert set(pl.devices) <= set(held[comp])
+    lines = plan_summary(p)
+    assert lines[0].startswith(f"spindle: {len(p.metaops)} MetaOps in {len(p.waves)} waves")
+    assert sum(line.startswith("  wave ") for line in lines) == len(p.waves)
+    for d in range(4):
+        comps = sorted(c for c, devs in held.items() if d in devs)
+        assert f"  device {d} holds: {', '.join(comps) or 'nothing'}" in lines

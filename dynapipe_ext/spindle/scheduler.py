@@ -317,6 +317,34 @@ def _component_order(model: MTModel) -> list[str]:
     return [c for c in order if model.users(c)]
 
 
+def component_devices(plan: WavePlan) -> dict[str, tuple[int, ...]]:
+    """Devices that hold each component: every device of every MetaOp that runs it."""
+    by_id = {m.id: m for m in plan.metaops}
+    out: dict[str, set[int]] = {}
+    for w in plan.waves:
+        for p in w.placed:
+            for comp in by_id[p.op].components:
+                out.setdefault(comp, set()).update(p.devices)
+    return {c: tuple(sorted(d)) for c, d in out.items()}
+
+
+def plan_summary(plan: WavePlan) -> list[str]:
+    """What a plan decided, one line each: per wave its MetaOps with devices (the allocation)
+    and start times; then the components each device holds (the placement)."""
+    by_id = {m.id: m for m in plan.metaops}
+    lines = [f"{plan.strategy}: {len(plan.metaops)} MetaOps in {len(plan.waves)} waves on "
+             f"{plan.num_devices} devices, predicted {plan.iteration_s * 1e3:.2f} ms"]
+    for w, wave in enumerate(plan.waves):
+        ops = ", ".join(f"{by_id[p.op].name} x{by_id[p.op].samples} on {list(p.devices)}"
+                        f" @{p.start_s * 1e3:.2f}ms" for p in wave.placed)
+        lines.append(f"  wave {w} ({wave.time_s * 1e3:.2f} ms): {ops}")
+    held = component_devices(plan)
+    for d in range(plan.num_devices):
+        comps = sorted(c for c, devs in held.items() if d in devs)
+        lines.append(f"  device {d} holds: {', '.join(comps) or 'nothing'}")
+    return lines
+
+
 PLANNERS = {"spindle": spindle_plan, "uniform": uniform_plan, "sequential": sequential_plan}
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dynapipe_ext.spindle.estimator import CommModel, Estimator, LayerFit, fit_layer
 from dynapipe_ext.spindle.model import MTModel
 
-from .mt_model import ENCODER_OF, HEAD_OF, TASKS, TinyMTConfig
+from .mt_model import HEAD_OF, TASKS, TinyMTConfig, describe
 
 
 def _fwd_bwd_s(fn, repeats: int) -> float:
@@ -28,22 +28,28 @@ def _fwd_bwd_s(fn, repeats: int) -> float:
 def profile_layer_fits(comps, cfg: TinyMTConfig, model: MTModel, data,
                        sample_counts=(1, 2, 4, 8), repeats: int = 5) -> dict[str, LayerFit]:
     """Per-layer forward+backward seconds of each component at a few sample counts (one
-    device), fitted to overhead + per-token cost per layer kind."""
+    device), fitted to overhead + per-token cost per layer kind (tokens: the step's)."""
     points: dict[str, list] = {}
     for task in TASKS:
         x, labels = data[task]
-        enc = comps[ENCODER_OF[task]]
         for k in sample_counts:
-            k = min(k, x.shape[0])
-            tokens = k * cfg.seq_len(task)
-            hidden = enc(x[:k]).detach()
-            for name, fn in ((ENCODER_OF[task], lambda: enc(x[:k])),
-                             ("backbone", lambda: comps["backbone"](hidden.requires_grad_())),
-                             (HEAD_OF[task], lambda: comps[HEAD_OF[task]](
-                                 hidden.requires_grad_(), labels[:k]))):
-                comp = model.component(name)
+            k = min(k, model.tasks[TASKS.index(task)].batch_size)
+            outs: dict[str, torch.Tensor] = {}
+            for step in model.tasks[TASKS.index(task)].steps:
+                module = comps[step.component]
+                args = [outs[i].detach().requires_grad_() for i in step.inputs] or \
+                    [(x[step.component] if isinstance(x, dict) else x)[:k]]
+                if step.component == HEAD_OF[task]:
+                    def fn(module=module, args=args):
+                        return module(*args, labels[:k])
+                else:
+                    def fn(module=module, args=args):
+                        return module(*args)
+                    with torch.no_grad():
+                        outs[step.component] = fn()
+                comp = model.component(step.component)
                 secs = _fwd_bwd_s(fn, repeats) / comp.num_layers
-                points.setdefault(comp.layer_kind, []).append((tokens, secs))
+                points.setdefault(comp.layer_kind, []).append((k * step.seq_len, secs))
     return {kind: fit_layer(pts, where=f"profile of {kind}") for kind, pts in points.items()}
 
 
@@ -90,8 +96,10 @@ def shared_estimator(model: MTModel, fits: dict[str, LayerFit] | None, comm: Com
 
 
 def iteration_tokens(cfg: TinyMTConfig) -> int:
-    """Input tokens of one iteration, all tasks (text bytes, image patches, audio frames)."""
-    return sum(cfg.batch(t) * cfg.seq_len(t) for t in TASKS)
+    """Input tokens of one iteration, all tasks (text bytes, image patches, audio frames;
+    both inputs of a paired task)."""
+    return sum(s.seq_len * t.batch_size for t in describe(cfg).tasks for s in t.steps
+               if not s.inputs)
 
 
 def timed_iteration(runtime, comps, optimizer, data) -> float:

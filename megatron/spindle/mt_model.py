@@ -1,6 +1,8 @@
 """A small multi-task multi-modal model built from megatron-core blocks, for Spindle's runtime:
-three modality encoders (text bytes, image patches, audio frames), a shared backbone and one
-head per task, with seeded data for each task and its description for the planner."""
+three modality encoders (text bytes, image patches, audio frames), a shared backbone, one head
+per task and a two-input contrastive image-text head, with seeded data for each task and its
+description for the planner. Every component is built on its own, weights drawn from a seed
+by parameter name, so any placement starts from the reference's weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,19 +35,38 @@ class TinyMTConfig:
     image_batch: int = 8
     audio_batch: int = 4
     audio_frames: int = 20
+    clip_batch: int = 6
+    clip_dim: int = 16
+    text_layers: int = 0          # 0: encoder_layers
+
+    def layers(self, component: str) -> int:
+        if component == "backbone":
+            return self.backbone_layers
+        if component == "text_enc" and self.text_layers:
+            return self.text_layers
+        return self.encoder_layers if component.endswith("_enc") else 1
 
     def seq_len(self, task: str) -> int:
         return {"text_lm": self.text_len, "image_cls": (IMAGE_SIZE // PATCH) ** 2,
-                "audio_cls": self.audio_frames}[task]
+                "audio_cls": self.audio_frames, "image_text": 1}[task]
 
     def batch(self, task: str) -> int:
         return {"text_lm": self.text_batch, "image_cls": self.image_batch,
-                "audio_cls": self.audio_batch}[task]
+                "audio_cls": self.audio_batch, "image_text": self.clip_batch}[task]
 
 
-TASKS = ("text_lm", "image_cls", "audio_cls")
+TASKS = ("text_lm", "image_cls", "audio_cls", "image_text")
 ENCODER_OF = {"text_lm": "text_enc", "image_cls": "image_enc", "audio_cls": "audio_enc"}
-HEAD_OF = {"text_lm": "lm_head", "image_cls": "image_head", "audio_cls": "audio_head"}
+HEAD_OF = {"text_lm": "lm_head", "image_cls": "image_head", "audio_cls": "audio_head",
+           "image_text": "clip_head"}
+COMPONENTS = ("text_enc", "image_enc", "audio_enc", "backbone", "lm_head", "image_head",
+              "audio_head", "clip_head")
+# each task's steps in order: (component, the components whose outputs it reads)
+GRAPH = {task: ((enc, ()), ("backbone", (enc,)), (HEAD_OF[task], ("backbone",)))
+         for task, enc in ENCODER_OF.items()}
+GRAPH["image_text"] = (("text_enc", ()), ("image_enc", ()),
+                       ("clip_head", ("text_enc", "image_enc")))
+ENCODER_SEQ = {"text_enc": "text_lm", "image_enc": "image_cls", "audio_enc": "audio_cls"}
 
 
 def transformer_config(cfg: TinyMTConfig) -> TransformerConfig:
@@ -74,7 +95,8 @@ class Encoder(torch.nn.Module):
     """Modality input (byte ids, flattened patches or frames) -> embedding + positions ->
     transformer block; output [seq, batch, hidden]."""
 
-    def __init__(self, config: TransformerConfig, cfg: TinyMTConfig, modality: str):
+    def __init__(self, config: TransformerConfig, cfg: TinyMTConfig, modality: str,
+                 layers: int):
         super().__init__()
         self.modality = modality
         if modality == "text":
@@ -83,7 +105,7 @@ class Encoder(torch.nn.Module):
             width = PATCH * PATCH if modality == "image" else AUDIO_FEATURES
             self.embed = torch.nn.Linear(width, cfg.hidden)
         self.position = torch.nn.Embedding(max(cfg.text_len, cfg.audio_frames, 16), cfg.hidden)
-        self.block = _block(config, cfg.encoder_layers)
+        self.block = _block(config, layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)                                   # [b, s, hidden]
@@ -123,46 +145,132 @@ class Head(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
 
 
-def build_components(cfg: TinyMTConfig, seed: int) -> torch.nn.ModuleDict:
-    """Every component, weights set from `seed` by parameter name (the same on every rank)."""
-    config = transformer_config(cfg)
-    comps = torch.nn.ModuleDict({
-        "text_enc": Encoder(config, cfg, "text"), "image_enc": Encoder(config, cfg, "image"),
-        "audio_enc": Encoder(config, cfg, "audio"), "backbone": Backbone(config, cfg),
-        "lm_head": Head(cfg, BYTE_VOCAB, lm=True),
-        "image_head": Head(cfg, IMAGE_CLASSES, lm=False),
-        "audio_head": Head(cfg, AUDIO_CLASSES, lm=False)})
+
+
+class ContrastiveHead(torch.nn.Module):
+    """Two inputs (text and image hidden states, [seq, b, hidden] each): mean-pooled, projected
+    and normalised; per-sample symmetric InfoNCE against every pair of the task's batch.
+    `labels` are the global batch indices of the local samples' partners; `gather` (when the
+    batch is split over ranks) returns the whole batch's rows from the local ones."""
+    couples_batch = True
+
+    def __init__(self, cfg: TinyMTConfig, scale: float = 10.0):
+        super().__init__()
+        self.scale = scale
+        self.norm_text = torch.nn.LayerNorm(cfg.hidden)
+        self.norm_image = torch.nn.LayerNorm(cfg.hidden)
+        self.proj_text = torch.nn.Linear(cfg.hidden, cfg.clip_dim)
+        self.proj_image = torch.nn.Linear(cfg.hidden, cfg.clip_dim)
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor, labels: torch.Tensor,
+                gather=None) -> torch.Tensor:
+        zt = torch.nn.functional.normalize(self.proj_text(self.norm_text(text).mean(0)), dim=-1)
+        zi = torch.nn.functional.normalize(self.proj_image(self.norm_image(image).mean(0)),
+                                           dim=-1)
+        both = torch.cat([zt, zi], dim=1)
+        every = both if gather is None else gather(both)
+        all_t, all_i = every.split(zt.shape[1], dim=1)
+        t2i = torch.nn.functional.cross_entropy(self.scale * zt @ all_i.T, labels,
+                                                reduction="none")
+        i2t = torch.nn.functional.cross_entropy(self.scale * zi @ all_t.T, labels,
+                                                reduction="none")
+        return 0.5 * (t2i + i2t)
+
+
+def _make(cfg: TinyMTConfig, name: str) -> torch.nn.Module:
+    if name not in COMPONENTS:
+        raise ValueError(f"unknown component {name!r}; the model has {COMPONENTS}")
+    if name.endswith("_enc"):
+        return Encoder(transformer_config(cfg), cfg, name[:-4], cfg.layers(name))
+    if name == "backbone":
+        return Backbone(transformer_config(cfg), cfg)
+    if name == "clip_head":
+        return ContrastiveHead(cfg)
+    outputs = {"lm_head": BYTE_VOCAB, "image_head": IMAGE_CLASSES, "audio_head": AUDIO_CLASSES}
+    return Head(cfg, outputs[name], lm=name == "lm_head")
+
+
+def build_component(cfg: TinyMTConfig, name: str, seed: int) -> torch.nn.Module:
+    """One component, its weights drawn from `seed` by "<component>.<parameter>" name (the
+    same values on every rank and in the whole-model reference)."""
+    module = _make(cfg, name)
     with torch.no_grad():
-        initialize_parameters(comps.named_parameters(), seed, num_layers=cfg.backbone_layers)
-        for name, p in comps.named_parameters():    # LayerNorm weights start at one
-            if "norm" in name and name.endswith("weight"):
-                p.fill_(1.0)
-    return comps
+        named = ((f"{name}.{n}", p) for n, p in module.named_parameters())
+        initialize_parameters(named, seed, num_layers=cfg.backbone_layers)
+    return module
+
+
+def build_components(cfg: TinyMTConfig, seed: int) -> torch.nn.ModuleDict:
+    """Every component (the single-process reference; profiling)."""
+    return torch.nn.ModuleDict({name: build_component(cfg, name, seed) for name in COMPONENTS})
+
+
+def parameter_counts(cfg: TinyMTConfig) -> dict[str, int]:
+    """Parameters per component, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return {name: sum(p.numel() for p in _make(cfg, name).parameters())
+                for name in COMPONENTS}
+
+
+def _step_seq(cfg: TinyMTConfig, task: str, component: str) -> int:
+    return cfg.seq_len(ENCODER_SEQ[component]) if component in ENCODER_SEQ else cfg.seq_len(task)
+
+
+def describe(cfg: TinyMTConfig, comps=None) -> MTModel:
+    """The planner's view of this model (parameter counts of the real modules; `comps` is
+    ignored, kept for older callers)."""
+    counts = parameter_counts(cfg)
+    components = []
+    for name in COMPONENTS:
+        role = ("encoder" if name.endswith("_enc") else
+                "backbone" if name == "backbone" else "head")
+        layers = cfg.layers(name)
+        kind = f"enc-{name}" if role == "encoder" else name if role == "backbone" \
+            else f"head-{name}"
+        components.append(Component(name, role, kind, layers, counts[name] // layers,
+                                    cfg.clip_dim if name == "clip_head" else cfg.hidden))
+    tasks = tuple(Task(task, cfg.batch(task), tuple(
+        TaskStep(comp, _step_seq(cfg, task, comp), inputs) for comp, inputs in GRAPH[task]))
+        for task in TASKS)
+    return MTModel(tuple(components), tasks)
+
+
+def _text_windows(cfg: TinyMTConfig, count: int, seed: int) -> torch.Tensor:
+    rows = []
+    for sample in synthetic_samples(count, seed=seed):
+        data = (sample["inputs"] + " " + sample["targets"]).encode()
+        rows.append(list((data * (cfg.text_len // max(len(data), 1) + 1))[: cfg.text_len]))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _patches(images: torch.Tensor) -> torch.Tensor:
+    return images.unfold(1, PATCH, PATCH).unfold(2, PATCH, PATCH).reshape(
+        images.shape[0], -1, PATCH * PATCH)
 
 
 def task_data(cfg: TinyMTConfig, seed: int, iteration: int = 0) -> dict[str, tuple]:
-    """(inputs, labels) of every task for one iteration, the same on every rank.
+    """(inputs, labels) of every task for one iteration, the same on every rank; a task with
+    several data-reading components has a dict component -> inputs.
     text_lm: FLAN-like text (the project's synthetic FLAN generator) as byte windows;
     image_cls: seeded class-dependent noise images cut into 4x4 patches;
-    audio_cls: seeded noisy sine frames whose frequency is the class."""
+    audio_cls: seeded noisy sine frames whose frequency is the class;
+    image_text: FLAN-like text paired with images; labels are each sample's partner index."""
     gen = torch.Generator().manual_seed(seed * 1000 + iteration)
-    text = []
-    for sample in synthetic_samples(cfg.text_batch, seed=seed + iteration):
-        data = (sample["inputs"] + " " + sample["targets"]).encode()
-        data = (data * (cfg.text_len // max(len(data), 1) + 1))[: cfg.text_len]
-        text.append(list(data))
-    text = torch.tensor(text, dtype=torch.long)
+    text = _text_windows(cfg, cfg.text_batch, seed + iteration)
     img_labels = torch.randint(0, IMAGE_CLASSES, (cfg.image_batch,), generator=gen)
     images = torch.randn(cfg.image_batch, IMAGE_SIZE, IMAGE_SIZE, generator=gen) * 0.5
     images += img_labels[:, None, None].float() / IMAGE_CLASSES
-    patches = images.unfold(1, PATCH, PATCH).unfold(2, PATCH, PATCH).reshape(
-        cfg.image_batch, -1, PATCH * PATCH)
     aud_labels = torch.randint(0, AUDIO_CLASSES, (cfg.audio_batch,), generator=gen)
     t = torch.arange(cfg.audio_frames * AUDIO_FEATURES).float().view(cfg.audio_frames, -1)
     audio = torch.sin(t[None] * (aud_labels[:, None, None].float() + 1) * 0.1)
     audio = audio + 0.1 * torch.randn(audio.shape, generator=gen)
-    return {"text_lm": (text, text), "image_cls": (patches, img_labels),
-            "audio_cls": (audio, aud_labels)}
+    pair_text = _text_windows(cfg, cfg.clip_batch, seed + iteration + 7919)
+    pair_images = torch.randn(cfg.clip_batch, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
+    pair_images += pair_text[:, :IMAGE_SIZE, None].float() / BYTE_VOCAB
+    return {"text_lm": (text, text), "image_cls": (_patches(images), img_labels),
+            "audio_cls": (audio, aud_labels),
+            "image_text": ({"text_enc": pair_text, "image_enc": _patches(pair_images)},
+                           torch.arange(cfg.clip_batch))}
 
 
 def loss_normaliser(cfg: TinyMTConfig, task: str) -> int:
@@ -171,35 +279,23 @@ def loss_normaliser(cfg: TinyMTConfig, task: str) -> int:
     return cfg.text_batch * (cfg.text_len - 1) if task == "text_lm" else cfg.batch(task)
 
 
-def describe(cfg: TinyMTConfig, comps: torch.nn.ModuleDict) -> MTModel:
-    """The planner's view of this model (parameter counts from the real modules)."""
-    def params(name: str) -> int:
-        return sum(p.numel() for p in comps[name].parameters())
-
-    components = []
-    for name in ("text_enc", "image_enc", "audio_enc"):
-        components.append(Component(name, "encoder", f"enc-{name}", cfg.encoder_layers,
-                                    params(name) // cfg.encoder_layers, cfg.hidden))
-    components.append(Component("backbone", "backbone", "backbone", cfg.backbone_layers,
-                                params("backbone") // cfg.backbone_layers, cfg.hidden))
-    for name in HEAD_OF.values():
-        components.append(Component(name, "head", f"head-{name}", 1, params(name), cfg.hidden))
-    tasks = []
-    for task in TASKS:
-        s = cfg.seq_len(task)
-        enc, head = ENCODER_OF[task], HEAD_OF[task]
-        tasks.append(Task(task, cfg.batch(task), (
-            TaskStep(enc, s), TaskStep("backbone", s, (enc,)), TaskStep(head, s, ("backbone",)))))
-    return MTModel(tuple(components), tuple(tasks))
+def task_forward(comps, task: str, x, labels) -> torch.Tensor:
+    """Per-sample losses of one task on the whole batch, through its steps (GRAPH)."""
+    outs: dict[str, torch.Tensor] = {}
+    for comp, inputs in GRAPH[task]:
+        if comp == HEAD_OF[task]:
+            return comps[comp](*(outs[i] for i in inputs), labels)
+        args = [outs[i] for i in inputs] or [x[comp] if isinstance(x, dict) else x]
+        outs[comp] = comps[comp](*args)
+    raise ValueError(f"task {task!r} has no head")
 
 
-def reference_step(comps: torch.nn.ModuleDict, cfg: TinyMTConfig, data) -> torch.Tensor:
+def reference_step(comps, cfg: TinyMTConfig, data) -> torch.Tensor:
     """The single-process iteration every Spindle plan must reproduce: each task through its
-    encoder, the backbone and its head on all its samples; returns the loss after backward."""
+    components on all its samples; returns the loss after backward."""
     total = torch.zeros(())
     for task in TASKS:
         x, labels = data[task]
-        h = comps["backbone"](comps[ENCODER_OF[task]](x))
-        total = total + comps[HEAD_OF[task]](h, labels).sum() / loss_normaliser(cfg, task)
+        total = total + task_forward(comps, task, x, labels).sum() / loss_normaliser(cfg, task)
     total.backward()
     return total.detach()
