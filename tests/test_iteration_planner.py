@@ -220,3 +220,14 @@ def test_auto_skips_layouts_the_model_does_not_split_into():
                            vocab_size=512)
     config = IterationPlannerConfig(**{**gpt_config("auto", dp=1).__dict__, "spec": two_layers})
     assert choose_auto_layout(config, gpt_lengths(0)).auto_layout == "linear"
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("wave", 2)])
+def test_the_split_is_made_for_the_layouts_chunks_per_rank(schedule, chunks):
+    """The micro-batch split minimises sum t + (P - 1) / chunks * max t per replica, chunks
+    being the stages a rank holds (1 linear, v interleaved, 2W wave)."""
+    plan = plan_iteration(0, gpt_lengths(0), gpt_config(schedule, dp=1))
+    times = [mb.time_ms for mb in plan.batch_plan.micro_batches]
+    assert len(pipeline_layout(gpt_config(schedule, dp=1))) == 2 * chunks
+    assert plan.batch_plan.info["objective_ms"] == pytest.approx(
+        sum(times) + 1 / chunks * max(times))

@@ -312,3 +312,22 @@ def test_min_padding_efficiency_holds_per_micro_batch_and_costs_time(model):
 def test_min_padding_efficiency_out_of_range_is_rejected(bad):
     with pytest.raises(ValueError, match="min_padding_efficiency"):
         PlannerConfig(min_padding_efficiency=bad)
+
+
+def test_chunks_per_rank_shrink_the_bubble_term_of_the_split():
+    """On an interleaved or wave layout a warm-up step is one chunk's work, so the split's
+    makespan model is sum t + (P - 1) / chunks * max t: the planner's objective follows it and
+    it never cuts more micro-batches than on the linear layout, where the bubble weighs more."""
+    lengths = gpt_lengths(n=160, seed=3)
+    plans = {}
+    for chunks in (1, 4):
+        config, model = gpt_setup(pipeline_stages=4, stage_chunks=chunks,
+                                  dynamic_layout="packed")
+        assert config.makespan_stages == pytest.approx(1 + 3 / chunks)
+        plan = plan_micro_batches(lengths, config, model, "dynamic")
+        times = [mb.time_ms for mb in plan.micro_batches]
+        assert plan.info["objective_ms"] == pytest.approx(sum(times) + 3 / chunks * max(times))
+        plans[chunks] = plan
+    assert len(plans[4].micro_batches) <= len(plans[1].micro_batches)
+    with pytest.raises(ValueError, match="stage_chunks"):
+        PlannerConfig(stage_chunks=0)

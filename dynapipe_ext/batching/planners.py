@@ -42,7 +42,12 @@ class PlanningError(ValueError):
 class PlannerConfig:
     """Limits and knobs shared by all strategies (validated on construction).
 
-    pipeline_stages: (virtual) stages the cost model cuts the model into; the makespan model's P.
+    pipeline_stages: stages the cost model cuts the model into (one per pipeline rank); the
+        makespan model's P.
+    stage_chunks: model chunks each pipeline rank runs per micro-batch (1 on the linear layout,
+        v interleaved, 2W on Hanayo's waves). The bubble of the makespan model
+        sum t + (P - 1) / stage_chunks * max t shrinks with it, since a warm-up or cool-down
+        step is one chunk's work (dp_split's objective with `makespan_stages` as its P).
     memory_limit_bytes: activation bytes per device; None = ask the cost model.
     tokens_per_global_batch: if set, real tokens of the batch (each of encoder and decoder
         for T5) must not exceed it.
@@ -74,6 +79,7 @@ class PlannerConfig:
     max_seq_len: int = 2048
     max_dec_seq_len: int = 0
     pipeline_stages: int = 1
+    stage_chunks: int = 1
     data_parallel: int = 1
     memory_limit_bytes: float | None = None
     tokens_per_global_batch: int | None = None
@@ -92,6 +98,11 @@ class PlannerConfig:
     dynamic_layout: str = "padded"
     packed_attention: str = "segments"
 
+    @property
+    def makespan_stages(self) -> float:
+        """The P of the makespan model: 1 + (P - 1) / stage_chunks."""
+        return 1.0 + (self.pipeline_stages - 1) / self.stage_chunks
+
     def __post_init__(self):
         def positive(name, allow_none=False):
             value = getattr(self, name)
@@ -104,7 +115,8 @@ class PlannerConfig:
         if self.model not in MODEL_TYPES:
             raise ValueError(f"PlannerConfig.model must be one of {MODEL_TYPES}, "
                              f"got {self.model!r}")
-        for name in ("max_seq_len", "pipeline_stages", "data_parallel", "round_to", "dp_probes"):
+        for name in ("max_seq_len", "pipeline_stages", "stage_chunks", "data_parallel",
+                     "round_to", "dp_probes"):
             positive(name)
         for name in ("tokens_per_global_batch", "micro_batch_size", "token_budget",
                      "max_pack_depth", "max_segment_samples"):
@@ -481,7 +493,7 @@ def _packing_candidate(ctx: PlanningContext):
                   for i in range(0, len(packs), rows)]
         mbs = ctx.packed_micro_batches(groups)
         if mbs is not None:
-            value = makespan_objective([mb.time_ms for mb in mbs], cfg.pipeline_stages,
+            value = makespan_objective([mb.time_ms for mb in mbs], cfg.makespan_stages,
                                        cfg.data_parallel)
             if best is None or value < best[0]:
                 best = (value, mbs)
@@ -494,7 +506,7 @@ def _refined(ctx: PlanningContext, best):
     cfg = ctx.config
     order, split = best[1], best[2]
     groups, _ = refine_groups(ctx.enc, ctx.dec, [order[s:e] for s, e in split.segments()],
-                              _segment_time_fn(ctx), cfg.pipeline_stages, cfg.data_parallel,
+                              _segment_time_fn(ctx), cfg.makespan_stages, cfg.data_parallel,
                               max_rounds=REFINE_ROUNDS)
     return _plan_order(ctx, "refined", groups_order(ctx.enc, ctx.dec, groups), split.objective)
 
@@ -512,7 +524,7 @@ def _chunked_objective(ctx: PlanningContext, order: np.ndarray) -> float | None:
     best = None
     for t in np.split(times, np.cumsum([len(st) for st in starts])[:-1]):
         if np.isfinite(t).all():
-            value = makespan_objective(t, ctx.config.pipeline_stages, ctx.config.data_parallel)
+            value = makespan_objective(t, ctx.config.makespan_stages, ctx.config.data_parallel)
             best = value if best is None else min(best, value)
     return None if best is None else best * (1 + 1e-9)
 
@@ -528,10 +540,10 @@ def _plan_order(ctx: PlanningContext, name: str, order: np.ndarray,
     costs far less."""
     cfg = ctx.config
     bound = np.inf if incumbent is None else (
-        incumbent / (1.0 / cfg.data_parallel + cfg.pipeline_stages - 1))
+        incumbent / (1.0 / cfg.data_parallel + cfg.makespan_stages - 1))
     try:
         table = SegmentTable(ctx, order, time_bound=bound)
-        split = optimal_split(table.time, cfg.pipeline_stages, cfg.data_parallel,
+        split = optimal_split(table.time, cfg.makespan_stages, cfg.data_parallel,
                               cfg.dp_probes, np.inf if incumbent is None else incumbent)
     except (PlanningError, ValueError):
         if incumbent is None:
@@ -782,9 +794,9 @@ def plan_micro_batches(lengths, config: PlannerConfig, cost_model: CostModel,
     mbs = STRATEGIES[strategy](ctx)
     mbs = _enough_for_replicas(ctx, mbs)
     times = [mb.time_ms for mb in mbs]
-    parts = balanced_partition(times, config.data_parallel, config.pipeline_stages)
+    parts = balanced_partition(times, config.data_parallel, config.makespan_stages)
     replicas = tuple(tuple(mbs[i] for i in p) for p in parts)
-    spans = replica_makespans(times, parts, config.pipeline_stages)
+    spans = replica_makespans(times, parts, config.makespan_stages)
     predicted = max(spans)
     info = dict(ctx.info, truncated=truncated, memory_limit_bytes=ctx.memory_limit,
                 replica_imbalance=predicted / float(np.mean(spans)) if predicted > 0 else 1.0,

@@ -276,7 +276,8 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
     searching schedules ("schedule"), retries included."""
     timings_ms = {} if timings_ms is None else timings_ms
     timings_ms.update(split=0.0, schedule=0.0)
-    planner = config.planner
+    # the split's makespan model knows the layout's chunks per rank (a smaller bubble term)
+    planner = replace(config.planner, stage_chunks=len(pipeline_layout(config)) // config.pp)
     candidates = schedule_candidates(config)
     dtype_bytes = _DTYPE_BYTES[config.dtype]
     retries = []
