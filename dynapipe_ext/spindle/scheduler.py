@@ -4,8 +4,10 @@ data together; sequential: each task over all devices, one after another).
 
 A plan is a list of waves; in a wave every MetaOp runs data-parallel on its own devices, and
 the wave ends when its slowest MetaOp does. Backward replays the waves in reverse on the same
-devices, so the estimator's forward+backward times cover both. After the last wave each
-component's gradients are all-reduced over the devices that ran it."""
+devices, so the estimator's forward+backward times cover both. Each component's gradients
+are all-reduced over the devices that ran it: `WavePlan.iteration_s` charges every reduction
+after the waves, `WavePlan.overlapped_s` starts each as soon as the component's last backward
+is done (the runtime's behaviour). `lower_bound_s` is a bound no plan can beat.""" 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,9 +77,11 @@ class WavePlan:
     waves: tuple[Wave, ...]
     sync_s: float
     device_memory: tuple[int, ...] = field(default=())
+    overlapped_s: float = 0.0     # iteration with each all-reduce overlapped (overlapped_iteration_s)
 
     @property
     def iteration_s(self) -> float:
+        """Waves, then every gradient all-reduce after them (nothing overlapped)."""
         return sum(w.time_s for w in self.waves) + self.sync_s
 
     @property
@@ -180,23 +184,107 @@ def _charge_sharded_state(memory: list[float], hosted: list[set[str]], model: MT
             memory[d] += share
 
 
-def gradient_sync_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
-                    num_devices: int, est: Estimator) -> float:
-    """Each component's gradients all-reduced over the devices that ran it; reductions over
-    different components on one device add up, devices work in parallel."""
+BACKWARD_SHARE = 2 / 3     # of a MetaOp's forward + backward time (backward ~ 2x forward)
+
+
+def _component_users(metaops: Sequence[MetaOp], waves: Sequence[Wave]
+                     ) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """Devices that run each component, and the first wave that runs it (its backward there
+    is the component's last)."""
     by_id = {m.id: m for m in metaops}
     users: dict[str, set[int]] = {}
-    for w in waves:
-        for p in w.placed:
+    first: dict[str, int] = {}
+    for w, wave in enumerate(waves):
+        for p in wave.placed:
             for comp in by_id[p.op].components:
                 users.setdefault(comp, set()).update(p.devices)
-    per_device = [0.0] * num_devices
-    for comp, devs in users.items():
-        c = model.component(comp)
-        t = est.comm.allreduce(c.num_layers * c.params_per_layer * 4, len(devs))  # fp32 grads
+                first.setdefault(comp, w)
+    return users, first
+
+
+def _allreduce_s(model: MTModel, comp: str, n: int, est: Estimator) -> float:
+    c = model.component(comp)
+    return est.comm.allreduce(c.num_layers * c.params_per_layer * 4, n)   # fp32 gradients
+
+
+def _reductions_end(model: MTModel, users: dict[str, set[int]], ready: dict[str, float],
+                    num_devices: int, est: Estimator) -> float:
+    """When the last gradient all-reduce ends. A reduction needs all its devices' links: they
+    are issued in ready order (larger first on ties), each starting when it is ready and every
+    one of its devices has finished its previous reduction."""
+    link_free = [0.0] * num_devices
+    end = 0.0
+    costs = {c: _allreduce_s(model, c, len(users[c]), est) for c in users}
+    for comp in sorted(users, key=lambda c: (ready[c], -costs[c], c)):
+        if costs[comp] == 0:
+            continue
+        devs = sorted(users[comp])
+        start = max([ready[comp]] + [link_free[d] for d in devs])
         for d in devs:
-            per_device[d] += t
-    return max(per_device)
+            link_free[d] = start + costs[comp]
+        end = max(end, start + costs[comp])
+    return end
+
+
+def overlapped_iteration_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
+                           num_devices: int, est: Estimator) -> float:
+    """Iteration time when each component's gradient all-reduce starts as soon as its last
+    backward is done and overlaps the backward of later-replayed waves (what the runtime
+    does: async all-reduce per component, waited for before the optimizer step).
+
+    Timeline: forward of every wave (1 - BACKWARD_SHARE of each wave's time), then backward in
+    reverse wave order; a component's reduction is ready when the backward of the first wave
+    that runs it ends (wave granularity: never earlier than the runtime can start it); then
+    as in `_reductions_end`. Compute is assumed not to slow down while a reduction runs."""
+    times = [w.time_s for w in waves]
+    t = (1 - BACKWARD_SHARE) * sum(times)
+    done_backward = [0.0] * len(waves)
+    for w in reversed(range(len(waves))):
+        t += BACKWARD_SHARE * times[w]
+        done_backward[w] = t
+    users, first = _component_users(metaops, waves)
+    ready = {c: done_backward[first[c]] for c in users}
+    return max(t, _reductions_end(model, users, ready, num_devices, est))
+
+
+def lower_bound_s(model: MTModel, est: Estimator, num_devices: int) -> tuple[float, float]:
+    """Global lower bounds on an iteration's compute, whatever the plan: (total single-device
+    work / N, critical path). Work: every component runs all its tokens at least once, and a
+    MetaOp on n devices costs n x T(n) >= T(1) device-seconds, so each component costs at
+    least layers x (overhead + per_token x its tokens of all tasks). Critical path: the
+    longest chain of one task's steps, each at best layers x (overhead + per_token x the
+    task's tokens at that step / N). Hand-over and all-reduce are left out (bound on compute)."""
+    def fit(comp):
+        c = model.component(comp)
+        if c.layer_kind not in est.fits:
+            raise KeyError(f"no profile fit for layer kind {c.layer_kind!r}")
+        return c, est.fits[c.layer_kind]
+
+    work = 0.0
+    for comp in (c.name for c in model.components):
+        tokens = sum(t.batch_size * s.seq_len for t in model.tasks for s in t.steps
+                     if s.component == comp)
+        if tokens:
+            c, f = fit(comp)
+            work += c.num_layers * (f.overhead_s + f.per_token_s * tokens)
+    path = 0.0
+    for task in model.tasks:
+        finish: dict[str, float] = {}
+        for step in task.steps:
+            c, f = fit(step.component)
+            own = c.num_layers * (f.overhead_s + f.per_token_s * task.batch_size
+                                  * step.seq_len / num_devices)
+            finish[step.component] = own + max((finish[i] for i in step.inputs), default=0.0)
+        path = max(path, max(finish.values()))
+    return work / num_devices, path
+
+
+def gradient_sync_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
+                    num_devices: int, est: Estimator) -> float:
+    """Time of every component's gradient all-reduce over the devices that ran it, all issued
+    after the last wave (the same link rule as the overlapped case, `_reductions_end`)."""
+    users, _ = _component_users(metaops, waves)
+    return _reductions_end(model, users, dict.fromkeys(users, 0.0), num_devices, est)
 
 
 def _build(strategy: str, model: MTModel, metaops: list[MetaOp], groups: list[list[MetaOp]],
@@ -226,8 +314,9 @@ def _build(strategy: str, model: MTModel, metaops: list[MetaOp], groups: list[li
         waves.append(Wave(tuple(items), alloc.relaxed))
     _charge_sharded_state(memory, hosted, model, est)
     sync = gradient_sync_s(model, metaops, waves, cluster.num_devices, est)
+    overlapped = overlapped_iteration_s(model, metaops, waves, cluster.num_devices, est)
     return WavePlan(strategy, cluster.num_devices, cluster.memory_bytes, tuple(metaops),
-                    tuple(waves), sync, tuple(int(x) for x in memory))
+                    tuple(waves), sync, tuple(int(x) for x in memory), overlapped)
 
 
 def _bottom_level(metaops: Sequence[MetaOp], est: Estimator, num_devices: int) -> dict[int, float]:
