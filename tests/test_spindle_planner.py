@@ -311,3 +311,17 @@ def test_overlapped_reduction_starts_after_the_components_last_backward():
     assert head_ready + reduce < t0 + t1           # hidden behind wave 0's backward
     assert p.overlapped_s == pytest.approx(t0 + t1 + reduce)
     assert p.iteration_s == pytest.approx(t0 + t1 + 2 * reduce)
+
+
+def test_planner_refuses_a_component_larger_than_one_device_naming_it():
+    """Components run data-parallel only: one whose weights, gradients and sharded optimizer
+    state cannot fit one device is refused by every strategy with its name and memory."""
+    from dynapipe_ext.spindle.scheduler import ComponentTooLarge, component_memory_bytes
+    model = CONFIGS["vision-audio-llm"]()
+    est = simulated_estimator(model, full_recompute=True)
+    need = component_memory_bytes(model, "llm", est, 8)
+    assert need > 40 * GiB                               # a 6.4B-parameter backbone
+    for strategy in ("spindle", "uniform", "sequential"):
+        with pytest.raises(ComponentTooLarge, match=r"component 'llm' needs \d+\.\d\d GiB"):
+            plan(strategy, model, est, Cluster(8, 40 * GiB))
+    check_wave_plan(plan("spindle", model, est, Cluster(8, 80 * GiB)))

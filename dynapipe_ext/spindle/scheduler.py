@@ -290,6 +290,7 @@ def gradient_sync_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[W
 def _build(strategy: str, model: MTModel, metaops: list[MetaOp], groups: list[list[MetaOp]],
            est: Estimator, cluster: Cluster) -> WavePlan:
     """Turn an ordered list of MetaOp groups (one per wave) into a placed, timed plan."""
+    check_components_fit(model, est, cluster)
     by_id = {m.id: m for m in metaops}
     placed: dict[int, tuple[int, ...]] = {}
     memory = [0.0] * cluster.num_devices
@@ -432,6 +433,38 @@ def plan_summary(plan: WavePlan) -> list[str]:
         comps = sorted(c for c, devs in held.items() if d in devs)
         lines.append(f"  device {d} holds: {', '.join(comps) or 'nothing'}")
     return lines
+
+
+class ComponentTooLarge(ValueError):
+    """A component does not fit one device: Spindle splits components only data-parallel."""
+
+
+def component_memory_bytes(model: MTModel, comp: str, est: Estimator, num_devices: int) -> int:
+    """Least bytes one device needs to run `comp` at all: its replicated weights and gradients,
+    its optimizer state sharded over every device, and the kept activations of one sample at
+    its longest step (data parallelism cannot split below a sample)."""
+    c = model.component(comp)
+    params = c.num_layers * c.params_per_layer
+    tokens = max((s.seq_len for t in model.tasks for s in t.steps if s.component == comp),
+                 default=0)
+    activations = est.activation_factor * c.num_layers * tokens * c.hidden_size * est.dtype_bytes
+    return int(params * (est.replicated_bytes_per_param
+                         + est.sharded_bytes_per_param / num_devices) + activations)
+
+
+def check_components_fit(model: MTModel, est: Estimator, cluster: Cluster) -> None:
+    """Refuse a model with a component larger than one device's memory, naming it: tensor or
+    pipeline parallelism inside a component is not built, so no plan could run it."""
+    for c in model.components:
+        need = component_memory_bytes(model, c.name, est, cluster.num_devices)
+        if need > cluster.memory_bytes:
+            raise ComponentTooLarge(
+                f"component {c.name!r} needs {need / 2**30:.2f} GiB on one device (weights and "
+                f"gradients {c.num_layers * c.params_per_layer * est.replicated_bytes_per_param / 2**30:.2f} GiB, "
+                f"optimizer state sharded over {cluster.num_devices} devices, one sample's "
+                f"activations), a device has {cluster.memory_bytes / 2**30:.2f} GiB: Spindle "
+                f"runs a component data-parallel only (no tensor or pipeline parallelism "
+                f"inside a component)")
 
 
 PLANNERS = {"spindle": spindle_plan, "uniform": uniform_plan, "sequential": sequential_plan}
