@@ -274,3 +274,54 @@ def test_component_devices_and_summary_show_the_placement():
     for d in range(4):
         comps = sorted(c for c, devs in held.items() if d in devs)
         assert f"  device {d} holds: {', '.join(comps) or 'nothing'}" in lines
+
+
+def test_lower_bound_is_below_every_plan_and_overlap_only_hides_reductions():
+    """The global bound (work / N, critical path) is below every strategy's wave compute; the
+    overlapped iteration is at least the waves and at most waves + every reduction after
+    them, and strictly below that where a component finishes its backward early."""
+    from dynapipe_ext.spindle.scheduler import lower_bound_s
+    hidden = 0
+    for name, n, strategy, p in _plans():
+        model = CONFIGS[name]()
+        est = simulated_estimator(model, full_recompute=name in FULL_RECOMPUTE)
+        work, path = lower_bound_s(model, est, n)
+        assert 0 < max(work, path) <= p.compute_s * (1 + 1e-9), (name, n, strategy)
+        waves = sum(w.time_s for w in p.waves)
+        assert waves <= p.overlapped_s <= p.iteration_s * (1 + 1e-9), (name, n, strategy)
+        hidden += p.overlapped_s < p.iteration_s * (1 - 1e-6)
+    assert hidden > 0
+
+
+def test_overlapped_reduction_starts_after_the_components_last_backward():
+    """Two chained one-layer components on one wave each, two devices: the encoder's
+    reduction can only start after the backward of wave 0 (the end), the head's after the
+    backward of wave 1, overlapping wave 0's backward."""
+    from dynapipe_ext.spindle.scheduler import BACKWARD_SHARE, uniform_plan
+    comps = (Component("enc", "encoder", "e", 1, 1000, 8), Component("head", "head", "h", 1,
+                                                                      1000, 4))
+    model = MTModel(comps, (Task("t", 4, (TaskStep("enc", 8), TaskStep("head", 8, ("enc",)))),))
+    comm = CommModel(1e-3, 0.0)             # every all-reduce over 2 devices: 2 ms
+    est = Estimator({"e": LayerFit(0.01, 1e-9), "h": LayerFit(0.01, 1e-9)}, comm)
+    p = uniform_plan(model, est, Cluster(2, GiB))
+    t0, t1 = (w.time_s for w in p.waves)
+    reduce = comm.allreduce(4000, 2)
+    assert p.sync_s == pytest.approx(2 * reduce)
+    head_ready = (1 - BACKWARD_SHARE) * (t0 + t1) + BACKWARD_SHARE * t1
+    assert head_ready + reduce < t0 + t1           # hidden behind wave 0's backward
+    assert p.overlapped_s == pytest.approx(t0 + t1 + reduce)
+    assert p.iteration_s == pytest.approx(t0 + t1 + 2 * reduce)
+
+
+def test_planner_refuses_a_component_larger_than_one_device_naming_it():
+    """Components run data-parallel only: one whose weights, gradients and sharded optimizer
+    state cannot fit one device is refused by every strategy with its name and memory."""
+    from dynapipe_ext.spindle.scheduler import ComponentTooLarge, component_memory_bytes
+    model = CONFIGS["vision-audio-llm"]()
+    est = simulated_estimator(model, full_recompute=True)
+    need = component_memory_bytes(model, "llm", est, 8)
+    assert need > 40 * GiB                               # a 6.4B-parameter backbone
+    for strategy in ("spindle", "uniform", "sequential"):
+        with pytest.raises(ComponentTooLarge, match=r"component 'llm' needs \d+\.\d\d GiB"):
+            plan(strategy, model, est, Cluster(8, 40 * GiB))
+    check_wave_plan(plan("spindle", model, est, Cluster(8, 80 * GiB)))

@@ -65,9 +65,15 @@ def _train_two_steps(strategy, rank, world_size, cfg, model) -> dict:
         ref_opt.step()
     remote = sum(pc.src != pc.dst for pcs in runtime.pieces for pc in pcs)
     two_input = sum(pc.slot == 1 for pcs in runtime.pieces for pc in pcs)
+    events = runtime.events
+    reduced = [c for kind, c in events if kind == "reduce"]
+    last_backward = max(i for i, (kind, _) in enumerate(events) if kind == "backward")
+    early = [c for i, (kind, c) in enumerate(events) if kind == "reduce" and i < last_backward]
     return dict(losses=losses, worst=worst, checked=checked, held=held, before=before,
                 built=sorted(runtime.modules), alive=alive, planned=planned, remote=remote,
-                two_input=two_input)
+                two_input=two_input, reduced=reduced, early=early,
+                shared=sorted(c for c, devs in component_devices(p).items() if len(devs) > 1
+                              and rank in devs))
 
 
 def _training_matches_reference(rank, world_size):
@@ -106,6 +112,14 @@ def test_spindle_training_equals_single_process_reference_and_places_components(
     uniform = [r["uniform"] for r in results]
     assert spindle[0]["alive"] < uniform[0]["alive"] and spindle[1]["alive"] < uniform[1]["alive"]
     assert all(results[0][s]["losses"][0] != results[0][s]["losses"][1] for s in STRATEGIES)
+    # gradient reduction overlaps backward: every component held by both ranks is reduced once,
+    # and under the uniform plan (one wave per component) the heads' reductions start before
+    # the encoders' backward has run
+    for rank_result in results:
+        for strategy, r in rank_result.items():
+            assert sorted(r["reduced"]) == r["shared"], (strategy, r["reduced"])
+        assert {"lm_head", "image_head", "audio_head", "clip_head"} <= set(
+            rank_result["uniform"]["early"]), rank_result["uniform"]["early"]
 
 
 def _bad_data_is_refused(rank, world_size):

@@ -4,8 +4,10 @@ data together; sequential: each task over all devices, one after another).
 
 A plan is a list of waves; in a wave every MetaOp runs data-parallel on its own devices, and
 the wave ends when its slowest MetaOp does. Backward replays the waves in reverse on the same
-devices, so the estimator's forward+backward times cover both. After the last wave each
-component's gradients are all-reduced over the devices that ran it."""
+devices, so the estimator's forward+backward times cover both. Each component's gradients
+are all-reduced over the devices that ran it: `WavePlan.iteration_s` charges every reduction
+after the waves, `WavePlan.overlapped_s` starts each as soon as the component's last backward
+is done (the runtime's behaviour). `lower_bound_s` is a bound no plan can beat.""" 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,9 +77,11 @@ class WavePlan:
     waves: tuple[Wave, ...]
     sync_s: float
     device_memory: tuple[int, ...] = field(default=())
+    overlapped_s: float = 0.0     # iteration with each all-reduce overlapped (overlapped_iteration_s)
 
     @property
     def iteration_s(self) -> float:
+        """Waves, then every gradient all-reduce after them (nothing overlapped)."""
         return sum(w.time_s for w in self.waves) + self.sync_s
 
     @property
@@ -180,28 +184,113 @@ def _charge_sharded_state(memory: list[float], hosted: list[set[str]], model: MT
             memory[d] += share
 
 
-def gradient_sync_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
-                    num_devices: int, est: Estimator) -> float:
-    """Each component's gradients all-reduced over the devices that ran it; reductions over
-    different components on one device add up, devices work in parallel."""
+BACKWARD_SHARE = 2 / 3     # of a MetaOp's forward + backward time (backward ~ 2x forward)
+
+
+def _component_users(metaops: Sequence[MetaOp], waves: Sequence[Wave]
+                     ) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """Devices that run each component, and the first wave that runs it (its backward there
+    is the component's last)."""
     by_id = {m.id: m for m in metaops}
     users: dict[str, set[int]] = {}
-    for w in waves:
-        for p in w.placed:
+    first: dict[str, int] = {}
+    for w, wave in enumerate(waves):
+        for p in wave.placed:
             for comp in by_id[p.op].components:
                 users.setdefault(comp, set()).update(p.devices)
-    per_device = [0.0] * num_devices
-    for comp, devs in users.items():
-        c = model.component(comp)
-        t = est.comm.allreduce(c.num_layers * c.params_per_layer * 4, len(devs))  # fp32 grads
+                first.setdefault(comp, w)
+    return users, first
+
+
+def _allreduce_s(model: MTModel, comp: str, n: int, est: Estimator) -> float:
+    c = model.component(comp)
+    return est.comm.allreduce(c.num_layers * c.params_per_layer * 4, n)   # fp32 gradients
+
+
+def _reductions_end(model: MTModel, users: dict[str, set[int]], ready: dict[str, float],
+                    num_devices: int, est: Estimator) -> float:
+    """When the last gradient all-reduce ends. A reduction needs all its devices' links: they
+    are issued in ready order (larger first on ties), each starting when it is ready and every
+    one of its devices has finished its previous reduction."""
+    link_free = [0.0] * num_devices
+    end = 0.0
+    costs = {c: _allreduce_s(model, c, len(users[c]), est) for c in users}
+    for comp in sorted(users, key=lambda c: (ready[c], -costs[c], c)):
+        if costs[comp] == 0:
+            continue
+        devs = sorted(users[comp])
+        start = max([ready[comp]] + [link_free[d] for d in devs])
         for d in devs:
-            per_device[d] += t
-    return max(per_device)
+            link_free[d] = start + costs[comp]
+        end = max(end, start + costs[comp])
+    return end
+
+
+def overlapped_iteration_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
+                           num_devices: int, est: Estimator) -> float:
+    """Iteration time when each component's gradient all-reduce starts as soon as its last
+    backward is done and overlaps the backward of later-replayed waves (what the runtime
+    does: async all-reduce per component, waited for before the optimizer step).
+
+    Timeline: forward of every wave (1 - BACKWARD_SHARE of each wave's time), then backward in
+    reverse wave order; a component's reduction is ready when the backward of the first wave
+    that runs it ends (wave granularity: never earlier than the runtime can start it); then
+    as in `_reductions_end`. Compute is assumed not to slow down while a reduction runs."""
+    times = [w.time_s for w in waves]
+    t = (1 - BACKWARD_SHARE) * sum(times)
+    done_backward = [0.0] * len(waves)
+    for w in reversed(range(len(waves))):
+        t += BACKWARD_SHARE * times[w]
+        done_backward[w] = t
+    users, first = _component_users(metaops, waves)
+    ready = {c: done_backward[first[c]] for c in users}
+    return max(t, _reductions_end(model, users, ready, num_devices, est))
+
+
+def lower_bound_s(model: MTModel, est: Estimator, num_devices: int) -> tuple[float, float]:
+    """Global lower bounds on an iteration's compute, whatever the plan: (total single-device
+    work / N, critical path). Work: every component runs all its tokens at least once, and a
+    MetaOp on n devices costs n x T(n) >= T(1) device-seconds, so each component costs at
+    least layers x (overhead + per_token x its tokens of all tasks). Critical path: the
+    longest chain of one task's steps, each at best layers x (overhead + per_token x the
+    task's tokens at that step / N). Hand-over and all-reduce are left out (bound on compute)."""
+    def fit(comp):
+        c = model.component(comp)
+        if c.layer_kind not in est.fits:
+            raise KeyError(f"no profile fit for layer kind {c.layer_kind!r}")
+        return c, est.fits[c.layer_kind]
+
+    work = 0.0
+    for comp in (c.name for c in model.components):
+        tokens = sum(t.batch_size * s.seq_len for t in model.tasks for s in t.steps
+                     if s.component == comp)
+        if tokens:
+            c, f = fit(comp)
+            work += c.num_layers * (f.overhead_s + f.per_token_s * tokens)
+    path = 0.0
+    for task in model.tasks:
+        finish: dict[str, float] = {}
+        for step in task.steps:
+            c, f = fit(step.component)
+            own = c.num_layers * (f.overhead_s + f.per_token_s * task.batch_size
+                                  * step.seq_len / num_devices)
+            finish[step.component] = own + max((finish[i] for i in step.inputs), default=0.0)
+        path = max(path, max(finish.values()))
+    return work / num_devices, path
+
+
+def gradient_sync_s(model: MTModel, metaops: Sequence[MetaOp], waves: Sequence[Wave],
+                    num_devices: int, est: Estimator) -> float:
+    """Time of every component's gradient all-reduce over the devices that ran it, all issued
+    after the last wave (the same link rule as the overlapped case, `_reductions_end`)."""
+    users, _ = _component_users(metaops, waves)
+    return _reductions_end(model, users, dict.fromkeys(users, 0.0), num_devices, est)
 
 
 def _build(strategy: str, model: MTModel, metaops: list[MetaOp], groups: list[list[MetaOp]],
            est: Estimator, cluster: Cluster) -> WavePlan:
     """Turn an ordered list of MetaOp groups (one per wave) into a placed, timed plan."""
+    check_components_fit(model, est, cluster)
     by_id = {m.id: m for m in metaops}
     placed: dict[int, tuple[int, ...]] = {}
     memory = [0.0] * cluster.num_devices
@@ -226,8 +315,9 @@ def _build(strategy: str, model: MTModel, metaops: list[MetaOp], groups: list[li
         waves.append(Wave(tuple(items), alloc.relaxed))
     _charge_sharded_state(memory, hosted, model, est)
     sync = gradient_sync_s(model, metaops, waves, cluster.num_devices, est)
+    overlapped = overlapped_iteration_s(model, metaops, waves, cluster.num_devices, est)
     return WavePlan(strategy, cluster.num_devices, cluster.memory_bytes, tuple(metaops),
-                    tuple(waves), sync, tuple(int(x) for x in memory))
+                    tuple(waves), sync, tuple(int(x) for x in memory), overlapped)
 
 
 def _bottom_level(metaops: Sequence[MetaOp], est: Estimator, num_devices: int) -> dict[int, float]:
@@ -262,13 +352,14 @@ def wavefront_groups(metaops: Sequence[MetaOp], est: Estimator, num_devices: int
 def spindle_plan(model: MTModel, est: Estimator, cluster: Cluster) -> WavePlan:
     """Spindle: contracted MetaOps, wavefront groups, malleable allocation, placement. Two
     contractions are planned (same-shape batches only; also ragged batches of a component's
-    data across tasks) and the faster plan is kept."""
+    data across tasks) and the faster plan is kept (all-reduce overlapped, as the runtime
+    runs it)."""
     best = None
     for ragged in (False, True):
         metaops = contract(model, ragged=ragged)
         p = _build("spindle", model, metaops,
                    wavefront_groups(metaops, est, cluster.num_devices), est, cluster)
-        if best is None or p.iteration_s < best.iteration_s:
+        if best is None or p.overlapped_s < best.overlapped_s:     # as the runtime runs it
             best = p
     return best
 
@@ -343,6 +434,38 @@ def plan_summary(plan: WavePlan) -> list[str]:
         comps = sorted(c for c, devs in held.items() if d in devs)
         lines.append(f"  device {d} holds: {', '.join(comps) or 'nothing'}")
     return lines
+
+
+class ComponentTooLarge(ValueError):
+    """A component does not fit one device: Spindle splits components only data-parallel."""
+
+
+def component_memory_bytes(model: MTModel, comp: str, est: Estimator, num_devices: int) -> int:
+    """Least bytes one device needs to run `comp` at all: its replicated weights and gradients,
+    its optimizer state sharded over every device, and the kept activations of one sample at
+    its longest step (data parallelism cannot split below a sample)."""
+    c = model.component(comp)
+    params = c.num_layers * c.params_per_layer
+    tokens = max((s.seq_len for t in model.tasks for s in t.steps if s.component == comp),
+                 default=0)
+    activations = est.activation_factor * c.num_layers * tokens * c.hidden_size * est.dtype_bytes
+    return int(params * (est.replicated_bytes_per_param
+                         + est.sharded_bytes_per_param / num_devices) + activations)
+
+
+def check_components_fit(model: MTModel, est: Estimator, cluster: Cluster) -> None:
+    """Refuse a model with a component larger than one device's memory, naming it: tensor or
+    pipeline parallelism inside a component is not built, so no plan could run it."""
+    for c in model.components:
+        need = component_memory_bytes(model, c.name, est, cluster.num_devices)
+        if need > cluster.memory_bytes:
+            raise ComponentTooLarge(
+                f"component {c.name!r} needs {need / 2**30:.2f} GiB on one device (weights and "
+                f"gradients {c.num_layers * c.params_per_layer * est.replicated_bytes_per_param / 2**30:.2f} GiB, "
+                f"optimizer state sharded over {cluster.num_devices} devices, one sample's "
+                f"activations), a device has {cluster.memory_bytes / 2**30:.2f} GiB: Spindle "
+                f"runs a component data-parallel only (no tensor or pipeline parallelism "
+                f"inside a component)")
 
 
 PLANNERS = {"spindle": spindle_plan, "uniform": uniform_plan, "sequential": sequential_plan}

@@ -38,6 +38,7 @@ class TinyMTConfig:
     clip_batch: int = 6
     clip_dim: int = 16
     text_layers: int = 0          # 0: encoder_layers
+    vocab_size: int = BYTE_VOCAB  # text token ids: bytes, or a tokenizer's (flan_task_data)
 
     def layers(self, component: str) -> int:
         if component == "backbone":
@@ -100,7 +101,7 @@ class Encoder(torch.nn.Module):
         super().__init__()
         self.modality = modality
         if modality == "text":
-            self.embed = torch.nn.Embedding(BYTE_VOCAB, cfg.hidden)
+            self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden)
         else:
             width = PATCH * PATCH if modality == "image" else AUDIO_FEATURES
             self.embed = torch.nn.Linear(width, cfg.hidden)
@@ -186,7 +187,7 @@ def _make(cfg: TinyMTConfig, name: str) -> torch.nn.Module:
         return Backbone(transformer_config(cfg), cfg)
     if name == "clip_head":
         return ContrastiveHead(cfg)
-    outputs = {"lm_head": BYTE_VOCAB, "image_head": IMAGE_CLASSES, "audio_head": AUDIO_CLASSES}
+    outputs = {"lm_head": cfg.vocab_size, "image_head": IMAGE_CLASSES, "audio_head": AUDIO_CLASSES}
     return Head(cfg, outputs[name], lm=name == "lm_head")
 
 
@@ -271,6 +272,46 @@ def task_data(cfg: TinyMTConfig, seed: int, iteration: int = 0) -> dict[str, tup
             "audio_cls": (audio, aud_labels),
             "image_text": ({"text_enc": pair_text, "image_enc": _patches(pair_images)},
                            torch.arange(cfg.clip_batch))}
+
+
+def _token_rows(dataset, order, starts, length: int) -> torch.Tensor:
+    """One row per start: the samples order[start], order[start + 1], ... (input ++ target ++
+    end-of-document each) as one token stream, cut to `length` tokens (GPT-style packing)."""
+    rows = []
+    for start in starts:
+        row: list[int] = []
+        k = start
+        while len(row) < length:
+            i = int(order[k % len(order)])
+            row += dataset.input_ids(i).tolist() + dataset.target_ids(i).tolist() + [dataset.eod]
+            k += 1
+        rows.append(row[:length])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def flan_task_data(cfg: TinyMTConfig, dataset, seed: int, iteration: int) -> dict[str, tuple]:
+    """As task_data, with the text of text_lm and image_text read from a tokenised FLAN dataset
+    (`megatron.data.multitask_dataset.MultiTaskDataset`, written by tools/preprocess_flan.py):
+    samples in a seeded order, iteration i taking the next rows; image_text pairs each text
+    with an image drawn from its tokens. The same on every rank."""
+    if cfg.vocab_size < dataset.vocab_size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the dataset's "
+                         f"{dataset.vocab_size} ({dataset.prefix})")
+    data = task_data(cfg, seed, iteration)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).numpy()
+    text = _token_rows(dataset, order, range(iteration * cfg.text_batch,
+                                             (iteration + 1) * cfg.text_batch), cfg.text_len)
+    half = len(dataset) // 2
+    pair_text = _token_rows(dataset, order, range(half + iteration * cfg.clip_batch,
+                                                  half + (iteration + 1) * cfg.clip_batch),
+                            cfg.text_len)
+    gen = torch.Generator().manual_seed(seed * 1000 + iteration + 17)
+    pair_images = torch.randn(cfg.clip_batch, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
+    pair_images += (pair_text[:, :IMAGE_SIZE, None] % 97).float() / 97
+    data["text_lm"] = (text, text)
+    data["image_text"] = ({"text_enc": pair_text, "image_enc": _patches(pair_images)},
+                          torch.arange(cfg.clip_batch))
+    return data
 
 
 def loss_normaliser(cfg: TinyMTConfig, task: str) -> int:

@@ -11,8 +11,12 @@ batch (`couples_batch`, e.g. a contrastive head) gets the whole batch's rows thr
 all-reduce over the MetaOp's ranks. Every hand-over piece is a leaf tensor, so each MetaOp's
 backward is a separate autograd call. Backward replays the waves in reverse: gradients of a
 wave's outputs come back from their consumers (local or sent back along the same pieces),
-then its MetaOps run backward. Last, every component's gradients are all-reduced over the
-ranks that hold it."""
+then its MetaOps run backward. Each component's gradients are all-reduced over the ranks that
+hold it as soon as its last backward is done: after the backward of the first wave that runs
+it (the same point on every rank, so every group sees its collectives in one order), an
+asynchronous all-reduce of one flattened bucket starts and runs while the earlier waves'
+backward computes; all of them are waited for at the end of `run`, before the optimizer step.
+`events` records the order (("backward", op) / ("reduce", component)) of the last run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,6 +101,12 @@ class WaveRuntime:
         self.users = {c: set(d) for c, d in component_devices(plan).items()}
         self.modules = torch.nn.ModuleDict(
             {c: build(c) for c in sorted(self.users) if rank in self.users[c]})
+        self.first_wave = {}
+        for w, wave in enumerate(plan.waves):
+            for p in wave.placed:
+                for comp in self.ops[p.op].components:
+                    self.first_wave.setdefault(comp, w)
+        self.events: list[tuple[str, object]] = []
         self.groups = {}
         sets = {tuple(sorted(u)) for u in self.users.values()} | set(
             tuple(sorted(d)) for d in self.devices.values())
@@ -165,14 +175,18 @@ class WaveRuntime:
                      if self.model.component(self.ops[i].components[-1]).role == "head"),
                     torch.zeros(()))
         grads: dict[tuple[int, str], torch.Tensor] = {}
+        self.events = []
+        pending = []
         for w in reversed(range(len(self.plan.waves))):
             self._hand_back(w, out, leaves, grads)
             for placed in sorted(self.plan.waves[w].placed, key=lambda p: -p.start_s):
                 if self.rank in placed.devices:
                     self._backward(placed.op, out, grads)
-        self._sync_gradients()
+                    self.events.append(("backward", placed.op))
+            pending += self._start_reductions(w)
         total = local.detach().clone()
         dist.all_reduce(total)
+        self._finish_reductions(pending)
         return total
 
     def _hand_over(self, w: int, out, leaves) -> None:
@@ -267,10 +281,12 @@ class WaveRuntime:
             elif (op, task) in grads:
                 value.backward(grads[op, task])
 
-    def _sync_gradients(self) -> None:
-        """All-reduce each component's gradients over exactly the ranks that hold it, one
-        flattened bucket per component."""
-        for comp in sorted(self.users):
+    def _start_reductions(self, w: int) -> list:
+        """Start the all-reduce of every component whose first wave is w (its backward is now
+        complete on every rank), over exactly the ranks that hold it, one flattened bucket
+        per component; returns (work, component, bucket) to finish."""
+        started = []
+        for comp in sorted(c for c, first in self.first_wave.items() if first == w):
             ranks = tuple(sorted(self.users[comp]))
             if len(ranks) < 2 or self.rank not in ranks:
                 continue
@@ -279,8 +295,16 @@ class WaveRuntime:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             bucket = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(bucket, group=self.groups[ranks])
+            work = dist.all_reduce(bucket, group=self.groups[ranks], async_op=True)
+            self.events.append(("reduce", comp))
+            started.append((work, comp, bucket))
+        return started
+
+    def _finish_reductions(self, started) -> None:
+        """Wait for the reductions and copy the summed buckets back into the gradients."""
+        for work, comp, bucket in started:
+            work.wait()
             offset = 0
-            for p in params:
+            for p in self.modules[comp].parameters():
                 p.grad.copy_(bucket[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
