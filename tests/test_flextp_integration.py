@@ -277,7 +277,7 @@ def test_the_modelled_clock_reports_work_over_speed_and_redoes_no_gemm(monkeypat
     is redone: the backward hook that would redo them is not there) and semi's link figure is
     the modelled one, with no collective."""
     import torch
-    from megatron.flextp.balance import measure_bandwidth
+    from megatron.flextp.stage_balance import measure_bandwidth
     from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock
     from tests.multiproc import single_process_world
 

@@ -163,8 +163,8 @@ def test_resize_rotates_skips_so_every_straggler_unit_keeps_getting_gradients(
     """TP rank 1 is a 20x straggler (modelled clock) from the start; deciding every
     iteration, resize skips a quarter of its 16 MLP units per layer. Rotating, no unit is
     skipped twice in a row, so over any 2 iterations every unit of the straggler gets a
-    gradient; sticky (--flextp-skip-order sticky) leaves the same 4 units without one for the
-    whole episode."""
+    gradient; sticky (--flextp-skip-order sticky) leaves some units without one for the whole
+    episode."""
     monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
     monkeypatch.setenv("FLEXTP_CLOCK", "modelled")
     argv = sp_dataset + MODEL + ["--train-iters", "11", "--tp-balance", "resize",
@@ -184,5 +184,5 @@ def test_resize_rotates_skips_so_every_straggler_unit_keeps_getting_gradients(
             units = set(episode[0][layer]["units"])
             for a, b in zip(episode, episode[1:]):
                 assert set(a[layer]["graded"]) | set(b[layer]["graded"]) == units
-        else:
-            assert all(s == skips[0] for s in skips), skips
+        else:   # a skipped unit gets no gradient and stays among the smallest
+            assert set.intersection(*skips), skips

@@ -14,6 +14,7 @@ it skipped in the interval before (--flextp-skip-order rotate)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,22 @@ from dynapipe_ext.flextp.detector import StragglerDetector
 from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
 from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
 from dynapipe_ext.flextp.resize import choose_drops, max_drops
-from megatron.flextp.balance import measure_bandwidth
-from megatron.flextp.layers import slowdown_factor
+from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock, slowdown_factor
 from megatron.flextp.stage_layers import FlexPair, convert_stages, migrate_pairs
+
+
+def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
+    """Bytes per second of one all-reduce of `nbytes` on the TP group (best of `repeats`);
+    MODELLED_BANDWIDTH under FLEXTP_CLOCK=modelled."""
+    if modelled_clock():
+        return MODELLED_BANDWIDTH
+    buf = torch.zeros(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
 
 def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
