@@ -128,6 +128,8 @@ PARSER_BEFORE = {
         ('GPT2BPETokenizer', ('GPT2BPETokenizer', 'SentencePieceTokenizer', 'T5SentencePieceTokenizer'), 'None', None, False),
     "--tokens-per-global-batch": (None, None, 'int', None, False),
     "--tp-balance": ('off', ('off', 'resize', 'migrate', 'semi'), 'None', None, False),
+    "--tp-balance-max-share": (1.5, None, 'float', None, False),
+    "--flextp-skip-order": ('rotate', ('rotate', 'sticky'), 'None', None, False),
     "--train-iters": (None, None, 'int', None, True),
     "--untie-embeddings-and-output-weights": (False, None, 'None', 0, False),
     "--use-checkpoint-opt-param-scheduler|--use-checkpoint-opt_param-scheduler":

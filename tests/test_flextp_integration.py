@@ -59,10 +59,11 @@ def test_migrate_from_a_forced_uneven_partition_trains_like_even_tp(sp_dataset):
         assert third["action"] == {"attn": "migrate", "mlp": "migrate"}
         assert third["counts"] == {"attn": [2, 2], "mlp": [16, 16]}
         assert r["history"][-1]["counts"] == third["counts"]
-    # slot parameters: capacity 3 heads (3 x 3 x 8 qkv rows) and 31 MLP units (31 x 4 columns)
+    # slot parameters at the default --tp-balance-max-share 1.5: capacity 3 heads (3 x 3 x 8
+    # qkv rows) and 24 MLP units (24 x 4 columns)
     shapes = flex[0]["param_shapes"]
     assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == (72, 32)
-    assert shapes["decoder.layers.0.mlp.linear_fc2.weight"] == (32, 124)
+    assert shapes["decoder.layers.0.mlp.linear_fc2.weight"] == (32, 96)
 
 
 @pytest.mark.slow
@@ -148,7 +149,10 @@ def test_slot_capacity_ffn_units_and_stage_figures():
     import torch
     from megatron.flextp.stage_balance import default_ffn_unit, stage_figures
     from megatron.flextp.stage_layers import capacity
-    assert capacity(32, 2) == 31 and capacity(32, 4) == 16 and capacity(4, 2) == 3
+    # 1.5 x the even share by default, at most all units but one per other rank
+    assert capacity(32, 2) == 24 and capacity(32, 4) == 12 and capacity(4, 2) == 3
+    assert capacity(32, 2, 2.0) == 31 and capacity(32, 4, 2.0) == 16
+    assert capacity(32, 2, 1.0) == 16 and capacity(6, 2, 1.2) == 3     # never below even
     assert default_ffn_unit(128, 2) == 4 and default_ffn_unit(96, 2) == 3
     assert default_ffn_unit(40, 2) == 2          # 10 units per rank where 16 do not divide
     # rows: (pp rank, tp rank, seconds, work, tokens); pipeline rank 0 has two replicas
@@ -273,7 +277,7 @@ def test_the_modelled_clock_reports_work_over_speed_and_redoes_no_gemm(monkeypat
     is redone: the backward hook that would redo them is not there) and semi's link figure is
     the modelled one, with no collective."""
     import torch
-    from megatron.flextp.balance import measure_bandwidth
+    from megatron.flextp.stage_balance import measure_bandwidth
     from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock
     from tests.multiproc import single_process_world
 

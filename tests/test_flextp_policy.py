@@ -5,7 +5,8 @@ import random
 import pytest
 
 from dynapipe_ext.flextp.detector import StragglerDetector
-from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
+from dynapipe_ext.flextp.partition import (Partition, even_partition, proportional_counts,
+                                           rebalance, slot_capacity)
 from dynapipe_ext.flextp.policy import BalanceCosts, decide
 from dynapipe_ext.flextp.resize import choose_drops, drop_counts, max_drops
 
@@ -65,6 +66,39 @@ def test_resize_bound_and_priority():
     assert choose_drops((4, 5, 6, 7), (0.3, 0.1, 0.2, 0.1), 2) == (5, 7)
     with pytest.raises(ValueError, match="cannot drop"):
         choose_drops((1, 2), (0.1, 0.2), 2)
+
+
+def test_rotating_skips_leave_out_the_units_skipped_last_time():
+    norms = (0.3, 0.1, 0.2, 0.1, 0.5, 0.4, 0.6, 0.7)
+    units = tuple(range(10, 18))
+    first = choose_drops(units, norms, 2)
+    assert first == (11, 13)
+    second = choose_drops(units, norms, 2, rest=first)     # the next-smallest norms
+    assert second == (10, 12)
+    assert choose_drops(units, norms, 2, rest=second) == first
+    # too few others left: from all units, by norm
+    assert choose_drops((1, 2, 3), (0.1, 0.2, 0.3), 2, rest=(2, 3)) == (1, 2)
+
+
+def test_partition_bookkeeping_and_errors():
+    p = Partition((1, 0, 1, 1), 2)
+    assert p.units_of(0) == (1,) and p.units_of(1) == (0, 2, 3) and p.counts() == (1, 3)
+    assert even_partition(4, 2).moves_to(p) == [(0, 0, 1)]
+    with pytest.raises(ValueError, match="own no unit"):
+        Partition((0, 0), 2)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        even_partition(5, 2)
+    assert slot_capacity(32, 2) == 24 and slot_capacity(32, 2, 2.0) == 31
+    with pytest.raises(ValueError, match="max_share must be >= 1"):
+        slot_capacity(32, 2, 0.5)
+
+
+def test_slowdown_switch_parses_and_names_bad_values():
+    from megatron.flextp.layers import slowdown_factor
+    assert slowdown_factor(1, "1:3") == 3 and slowdown_factor(0, "1:3") == 1
+    assert slowdown_factor(0, "") == 1
+    with pytest.raises(ValueError, match="FLEXTP_SLOWDOWN"):
+        slowdown_factor(0, "fast")
 
 
 def test_proportional_counts_and_rebalance_move_fewest():

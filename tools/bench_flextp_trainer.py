@@ -12,8 +12,8 @@ Time per configuration: the mean `iteration_s` of the run's --stats-file records
 warm-up iterations (rebalancing included), the median over `--rounds` interleaved rounds (each
 round runs every configuration once, starting one further along the list, so a drifting machine
 load hits them alike). The ideal: the no-straggler time (slot layers) with the straggler's TP
-block share split by speed, the share taken from the even and no-straggler medians (as in
-tools/bench_flextp.py). Final partition and skipped units per rank: the balancer's last change
+block share split by speed, the share taken from the even and no-straggler medians. Final
+partition and skipped units per rank: the balancer's last change
 line in the log. Writes docs/bench_flextp_trainer.json and, with --write-doc, the
 "flextp-trainer" section of docs/BENCHMARKS.md.
 

@@ -76,6 +76,10 @@ class CostModel:
     # Memory: a model sets `device_memory_bytes` and `num_stages` and answers model_state_bytes.
     device_memory_bytes: float
     num_stages: int = 1
+    # FlexTP (--tp-balance): a rank's slot layers hold up to this share of the even TP split
+    # of every transformer layer's weights, their gradients and optimizer state
+    # (--tp-balance-max-share); 1 without FlexTP
+    tp_slot_share: float = 1.0
 
     def model_state_bytes(self, num_stages: int) -> list[float]:
         """Parameter + gradient + optimizer bytes of each of `num_stages` stages (one TP rank)."""
@@ -189,7 +193,8 @@ class AnalyticCostModel(CostModel):
                  half_rate_tokens: float = 512.0, num_stages: int = 1,
                  dropout: bool = False, full_recompute: str = "layer",
                  fused_attention: bool = True, sigmoid_gelu: bool = False,
-                 host_fwd_ms_per_layer: float = 0.0, host_bwd_ms_per_layer: float = 0.0):
+                 host_fwd_ms_per_layer: float = 0.0, host_bwd_ms_per_layer: float = 0.0,
+                 tp_slot_share: float = 1.0):
         if tp < 1 or spec.num_attention_heads % tp:
             raise ValueError(f"tp={tp} must be >= 1 and divide num_attention_heads "
                              f"{spec.num_attention_heads}")
@@ -199,6 +204,7 @@ class AnalyticCostModel(CostModel):
             raise ValueError("device_flops and device_mem_bytes must be positive")
         self.spec = spec
         self.tp = tp
+        self.tp_slot_share = float(tp_slot_share)
         self.device_flops = float(device_flops)
         self.device_memory_bytes = float(device_mem_bytes)
         self.bytes_per_param_state = float(bytes_per_param_state)
@@ -229,6 +235,7 @@ class AnalyticCostModel(CostModel):
         positions = (self.spec.max_position_embeddings * h
                      if self.spec.position_embedding_type == "learned_absolute" else 0)
         attention, mlp = 4 * h * h / tp, m * h * f / tp   # QKV + projection; fc1 (+ gate), fc2
+        attention, mlp = attention * self.tp_slot_share, mlp * self.tp_slot_share
         if kind == GPT_ATTENTION:
             return attention
         if kind == GPT_MLP:

@@ -443,13 +443,14 @@ class ProfiledCostModel(CostModel):
     def __init__(self, profile: CostProfile, device_memory_bytes: float | None = None,
                  bytes_per_param_state: float | None = None, num_stages: int = 1,
                  below_grid: str = "infeasible", rows_above_grid: str = "infeasible",
-                 spec: ModelSpec | None = None):
+                 spec: ModelSpec | None = None, tp_slot_share: float = 1.0):
         if below_grid not in ("infeasible", "bound"):
             raise ValueError(f"below_grid must be 'infeasible' or 'bound', got {below_grid!r}")
         if rows_above_grid not in ("infeasible", "scale"):
             raise ValueError(f"rows_above_grid must be 'infeasible' or 'scale', got "
                              f"{rows_above_grid!r}")
         self.rows_above_grid = rows_above_grid
+        self.tp_slot_share = float(tp_slot_share)
         self.profile = profile
         self.spec = spec or profile.spec
         if dataclasses.replace(self.spec, **UNKEYED) != dataclasses.replace(profile.spec,
@@ -472,10 +473,13 @@ class ProfiledCostModel(CostModel):
                 for kinds in self.spec.stage_layers(num_stages)]
 
     def _param_count(self, kind: str) -> float:
-        """Parameters of one layer kind (a half layer: its share of the whole layer's)."""
+        """Parameters of one layer kind (a half layer: its share of the whole layer's); a
+        transformer layer's times tp_slot_share (FlexTP's slots; its norms counted with it)."""
         if kind in WHOLE_LAYER:
             share = half_layer_shares(self.spec, self._tp)[kind]["param_count"]
-            return self.profile.param_count[WHOLE_LAYER[kind]] * share
+            return self.profile.param_count[WHOLE_LAYER[kind]] * share * self.tp_slot_share
+        if kind in TRANSFORMER_KINDS:
+            return self.profile.param_count[kind] * self.tp_slot_share
         return self.profile.param_count[kind]
 
     @property

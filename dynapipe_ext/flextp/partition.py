@@ -59,6 +59,18 @@ def even_partition(num_units: int, tp: int) -> Partition:
     return partition_from_counts([num_units // tp] * tp)
 
 
+MAX_SHARE = 1.5     # --tp-balance-max-share's default
+
+
+def slot_capacity(num_units: int, tp: int, max_share: float = MAX_SHARE) -> int:
+    """Units one rank may hold (FlexTP's slots): `max_share` times the even share, rounded
+    down, at least the even share and at most what leaves one unit to every other rank."""
+    if max_share < 1:
+        raise ValueError(f"slot_capacity: max_share must be >= 1, got {max_share}")
+    even = num_units // tp
+    return max(even, min(int(max_share * even + 1e-9), num_units - (tp - 1)))
+
+
 def proportional_counts(num_units: int, speeds, min_units: int = 1,
                         max_units: int | None = None) -> tuple[int, ...]:
     """Units per rank, each rank in [min_units, max_units], that minimise the slowest rank's

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynapipe_ext.flextp.partition import proportional_counts
-from dynapipe_ext.flextp.resize import drop_counts
+from dynapipe_ext.flextp.partition import MAX_SHARE, proportional_counts
+from dynapipe_ext.flextp.resize import SKIP_ORDERS, drop_counts
 
 MODES = ("off", "resize", "migrate", "semi")
 
@@ -41,9 +41,8 @@ class BalanceCosts:
 
 
 def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
-    """The `--tp-balance` flags both FlexTP trainers take (pretrain_gpt.py and the small
-    megatron.flextp.train), with the defaults of `BalanceCosts`: (names, add_argument
-    keywords) each, declared here only."""
+    """The `--tp-balance` flags of pretrain_gpt.py, with the defaults of `BalanceCosts`:
+    (names, add_argument keywords) each, declared here only."""
     d = BalanceCosts(unit_seconds=0.0, bytes_per_unit=0.0, bandwidth=1.0)
     return (
         (("--tp-balance",), dict(
@@ -51,6 +50,18 @@ def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
             help="balance tensor-parallel work when a TP rank is slower: resize (skip some of "
                  "its units, imputed), migrate (move units and their Adam state to faster "
                  "ranks), semi (a cost model picks per interval); off: even TP")),
+        (("--tp-balance-max-share",), dict(
+            type=float, default=MAX_SHARE,
+            help="the largest share of a layer's heads (query groups) or MLP units one TP rank "
+                 "may hold, over the even share: the slot layers allocate that much (weights, "
+                 "gradients, Adam moments; the planner's memory model counts it) and a larger "
+                 "imbalance is clamped to it")),
+        (("--flextp-skip-order",), dict(
+            choices=SKIP_ORDERS, default=SKIP_ORDERS[0],
+            help="resize: which units a straggler skips at each decision: rotate (the "
+                 "smallest-norm units among those computed in the last interval, so every "
+                 "unit keeps getting gradients) or sticky (the smallest-norm units, the same "
+                 "ones while the straggler lasts)")),
         (("--flextp-interval",), dict(type=int, default=10,
                                       help="iterations between balancing decisions")),
         (("--flextp-max-drop-fraction",), dict(
@@ -63,12 +74,6 @@ def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
             type=int, default=d.min_horizon,
             help="semi: iterations an imbalance is assumed to last at least")),
     )
-
-
-def add_balance_args(parser) -> None:
-    """Add `balance_flags()` to an argparse parser or group."""
-    for names, kwargs in balance_flags():
-        parser.add_argument(*names, **kwargs)
 
 
 def parse_speeds(text: str | None, tp: int) -> tuple[float, ...] | None:

@@ -2,7 +2,7 @@
 
 Priority: the units with the smallest weight norm go first (their output is the smallest by the
 norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least); skipped units
-get no gradient and stay skipped while the straggler lasts (see choose_drops). Imputation is
+rotate: a unit skipped in one interval is computed in the next (see choose_drops). Imputation is
 done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
 contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
 value. The bound `max_fraction` caps the share of a rank's units that may be skipped."""
@@ -28,19 +28,24 @@ def drop_counts(counts, speeds, max_fraction: float) -> tuple[int, ...]:
                  for c, s in zip(counts, speeds))
 
 
-def choose_drops(units, norms, n_drop: int) -> tuple[int, ...]:
-    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending. A skipped
-    unit gets no gradient, so it stays among the smallest and is skipped again at the next
-    decision: for as long as the straggler lasts the same units are left out and the other
-    units adapt around their imputed contributions. Rotating the skips instead (a unit skipped
-    in one interval computed in the next) was measured worse: over 8 seeds its final loss was
-    +1.2% against the no-straggler run, the sticky choice's -0.3% (docs/BENCHMARKS.md, "FlexTP:
-    loss over seeds"), as every swap perturbs the layer with units whose weights and imputed
-    contributions are stale."""
+SKIP_ORDERS = ("rotate", "sticky")      # --flextp-skip-order
+
+
+def choose_drops(units, norms, n_drop: int, rest=()) -> tuple[int, ...]:
+    """The `n_drop` units of smallest norm (ties: lower unit id first), ascending, among those
+    not in `rest` (the units skipped in the interval before: they are computed now); from all
+    units only where too few others are left. A skipped unit gets no gradient, so with
+    rest=() (--flextp-skip-order sticky) the same units stay skipped for as long as the
+    straggler lasts, in effect pruned; rotating, every unit is computed (and trained, and its
+    imputed contribution refreshed) at least every other interval."""
     units = list(units)
     if len(norms) != len(units):
         raise ValueError(f"choose_drops: {len(units)} units but {len(norms)} norms")
     if not 0 <= n_drop < len(units):
         raise ValueError(f"choose_drops: cannot drop {n_drop} of {len(units)} units")
     order = sorted(range(len(units)), key=lambda i: (norms[i], units[i]))
+    rest = set(rest)
+    fresh = [i for i in order if units[i] not in rest]
+    if len(fresh) >= n_drop:
+        order = fresh
     return tuple(sorted(units[i] for i in order[:n_drop]))

@@ -1,22 +1,22 @@
-"""FlexTP migration: move units (weights, fp32 master copies, both Adam moments) between TP ranks
-so the partition becomes `new`; the math of the model does not change.
+"""FlexTP migration transfers: move units (weights, fp32 main copies, both Adam moments) between
+TP ranks so the partition becomes `new`; the math of the model does not change.
 
 Each (sender, receiver) pair exchanges one flat fp32 buffer holding every moved unit's slices of
-every field of every block, in an order both sides derive from the partitions; pairs go in a
-fixed order with blocking send / recv, so no rank waits on a message sent later.
-`exchange_units` and `new_layout` are shared with the slot layers of pretrain_gpt.py
-(stage_layers.migrate_pairs), which copy into fixed-size slots instead of new parameters."""
+every tensor, in an order both sides derive from the partitions; pairs go in a fixed order with
+blocking send / recv, so no rank waits on a message sent later. The slot layers
+(stage_layers.migrate_pairs) copy the result into their fixed-size slots."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from dynapipe_ext.flextp.partition import Partition
-from megatron.flextp.layers import FlexTPBlock, _take_units
 
 
-def _tensor(param, i, optimizer):
-    return param.detach() if i == 0 else optimizer.fields(param)[i - 1]
+def _take_units(t: torch.Tensor, axis: int, per: int, idx: torch.Tensor) -> torch.Tensor:
+    """The slices of local units `idx` along `axis`, `per` entries each."""
+    rows = (idx[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+    return t.index_select(axis, rows.to(t.device))
 
 
 def _local_index(units, wanted) -> torch.Tensor:
@@ -64,34 +64,6 @@ def new_layout(t: torch.Tensor, axis: int, per: int, mine_old, mine_new, receive
     pieces = [_take_units(t, axis, per, _local_index(mine_old, [u])) if u in mine_old
               else received[u][k].to(t.device, t.dtype) for u in mine_new]
     return torch.cat(pieces, dim=axis)
-
-
-def migrate_blocks(blocks: list[FlexTPBlock], optimizer, new: Partition, group=None) -> int:
-    """Repartition `blocks` (all with the same partition) to `new`; returns the bytes this rank
-    sent. Call on every TP rank with the same arguments."""
-    if not blocks:
-        return 0
-    old, rank = blocks[0].partition, blocks[0].rank
-    if any(b.partition != old for b in blocks):
-        raise ValueError("migrate_blocks: blocks must share one partition")
-    fields = [(block, param, fi, axis, per) for block in blocks
-              for param, axis, per in block.sharded()
-              for fi in range(1 + len(optimizer.FIELDS))]
-    tensors = [(_tensor(param, fi, optimizer), axis, per) for _, param, fi, axis, per in fields]
-    received, sent = exchange_units(tensors, old, new, rank, group)
-    mine_old, mine_new = old.units_of(rank), new.units_of(rank)
-    layouts = [new_layout(t, axis, per, mine_old, mine_new, received, k).contiguous()
-               for k, (t, axis, per) in enumerate(tensors)]
-    width = 1 + len(optimizer.FIELDS)
-    for start in range(0, len(fields), width):
-        block, param = fields[start][0], fields[start][1]
-        # a new Parameter: autograd caches a leaf's shape, so resizing .data would not do
-        fresh = torch.nn.Parameter(layouts[start], requires_grad=param.requires_grad)
-        setattr(block, block._name(param), fresh)
-        optimizer.replace(param, fresh, layouts[start + 1:start + width])
-    for block in blocks:
-        block.set_partition(new)
-    return sent
 
 
 def _slice_numel(p, axis, per) -> int:

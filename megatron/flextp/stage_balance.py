@@ -9,10 +9,12 @@ replicas (a slow replica holds the DP all-reduce of all of them). Every rank of 
 feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
 decision; the replicas of a stage keep one partition, so their gradients still add up slot by
 slot. Migration runs within each TP group (point-to-point); resizing skips the smallest-norm units
-of each layer (the replicas hold equal weights, so they pick the same ones)."""
+of each layer (the replicas hold equal weights, so they pick the same ones), by default not those
+it skipped in the interval before (--flextp-skip-order rotate)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,9 +23,22 @@ from dynapipe_ext.flextp.detector import StragglerDetector
 from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
 from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
 from dynapipe_ext.flextp.resize import choose_drops, max_drops
-from megatron.flextp.balance import measure_bandwidth
-from megatron.flextp.layers import slowdown_factor
+from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock, slowdown_factor
 from megatron.flextp.stage_layers import FlexPair, convert_stages, migrate_pairs
+
+
+def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
+    """Bytes per second of one all-reduce of `nbytes` on the TP group (best of `repeats`);
+    MODELLED_BANDWIDTH under FLEXTP_CLOCK=modelled."""
+    if modelled_clock():
+        return MODELLED_BANDWIDTH
+    buf = torch.zeros(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
 
 def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
@@ -52,8 +67,9 @@ class StageBalancer:
     def __init__(self, pairs: dict[str, list[FlexPair]], mode: str, layout, group,
                  interval: int = 10, max_fraction: float = 0.25, accuracy_weight: float = 1.0,
                  min_horizon: int = 20, patience: int = 6, warmup_iters: int = 3,
-                 verbose: bool = False):
+                 verbose: bool = False, skip_order: str = "rotate"):
         self.pairs, self.mode, self.layout, self.group = pairs, mode, layout, group
+        self.skip_order = skip_order
         self.tp = layout.tp
         self.interval, self.max_fraction = interval, max_fraction
         self.accuracy_weight, self.min_horizon = accuracy_weight, min_horizon
@@ -168,8 +184,8 @@ class StageBalancer:
         for kind, ps in self.pairs.items():
             if not ps:
                 continue
-            numel = sum(param.numel() // param.shape[axis] * per
-                        for param, axis, per in ps[0].sharded())
+            numel = sum(param.numel() // param.shape[axis] * per * halves
+                        for param, axis, per, halves in ps[0].sharded())
             costs = BalanceCosts(
                 unit_seconds=ps[0].unit_macs() * tokens * len(ps) * sec_per_work,
                 bytes_per_unit=numel * 4 * 4 * len(ps),   # weight, main, 2 moments in fp32
@@ -186,7 +202,8 @@ class StageBalancer:
             rank_drops = decision.drops[self.layout.tp_rank]
             for p in ps:
                 n = min(rank_drops, max_drops(len(p.units()), self.max_fraction))
-                p.set_drops(choose_drops(p.units(), p.unit_norms(), n) if n else ())
+                rest = p.drops if self.skip_order == "rotate" else ()
+                p.set_drops(choose_drops(p.units(), p.unit_norms(), n, rest) if n else ())
             self.skips[kind] = [min(d, max_drops(c, self.max_fraction))
                                 for d, c in zip(decision.drops, decision.counts)]
             actions[kind] = decision.action
@@ -207,14 +224,16 @@ def build_balancer(cfg, stages, layout, verbose: bool = True) -> StageBalancer:
     from megatron.core import parallel_state
     ffn_unit = cfg.flextp_ffn_unit or default_ffn_unit(cfg.ffn_hidden_size, layout.tp)
     pairs = convert_stages(stages, layout.tp, layout.tp_rank, ffn_unit,
-                           slowdown_factor(layout.tp_rank), imputes=cfg.tp_balance != "migrate")
+                           slowdown_factor(layout.tp_rank), imputes=cfg.tp_balance != "migrate",
+                           max_share=cfg.tp_balance_max_share)
     balancer = StageBalancer(pairs, cfg.tp_balance, layout,
                              parallel_state.get_tensor_model_parallel_group(),
                              interval=cfg.flextp_interval,
                              max_fraction=cfg.flextp_max_drop_fraction,
                              accuracy_weight=cfg.flextp_accuracy_weight,
                              min_horizon=cfg.flextp_min_horizon, patience=cfg.flextp_patience,
-                             verbose=verbose and layout.rank == 0)
+                             verbose=verbose and layout.rank == 0,
+                             skip_order=cfg.flextp_skip_order)
     speeds = parse_speeds(cfg.flextp_initial_speeds, layout.tp)
     if speeds is not None:
         balancer.start_uneven(speeds)

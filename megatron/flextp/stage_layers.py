@@ -2,16 +2,21 @@
 megatron/model/stages.py builds (`pretrain_gpt.py --tp-balance ...`).
 
 `convert_stages` swaps each GPT layer's four TP linears (attention linear_qkv / linear_proj, MLP
-linear_fc1 / linear_fc2) for `SlotColumn` / `SlotRow`, which keep the same parameter names and
-call contract ((output, bias), megatron-core's TP mappings for the collectives). A pair of them
-is one `FlexPair`: its units (heads; groups of `ffn_unit` ffn columns) sit in fixed-size *slots*,
-`capacity` units per rank, of which the first len(units) are used, in ascending unit order. The
+linear_fc1 / linear_fc2; of a half layer, --pipeline-split, the two it holds) for `SlotColumn` /
+`SlotRow`, which keep the same parameter names and call contract ((output, bias), megatron-core's
+TP mappings for the collectives). A pair of them is one `FlexPair`: its units (query groups, one
+head each without grouped-query attention; groups of `ffn_unit` ffn columns) sit in fixed-size
+*slots*, `capacity` units per rank, of which the first len(units) are used, in ascending unit
+order. A gated MLP's fc1 (--gated-gelu) holds two halves, [gate rows of the used units; up rows
+of them; spare zeros], what megatron-core's MLP chunks its output into. The
 shapes of the parameters, their fp32 main gradients and their Adam moments therefore never
 change, so GradBuffer, TrainOptimizer, clipping and the DP all-reduce run untouched; migration
 (`migrate_pairs`) copies slot contents (weights, fp32 main copies, both Adam moments) between
 the TP ranks and zeroes the slots it empties (zero weight, gradient and moments: AdamW leaves
-them at zero). The price is memory: capacity is twice the even share (at most all units but one
-per other rank), so the TP-split weights and their optimizer state take up to twice the space.
+them at zero). The price is memory: capacity is --tp-balance-max-share (default 1.5) times the
+even share (at most all units but one per other rank), so the TP-split weights and their
+optimizer state take up to that much more space (the planner's memory model counts it,
+device_costs.slot_share); migration clamps a larger imbalance to the capacity.
 
 ZERO-resizing: a pair may skip some of its units (`FlexPair.drops`); the column output then has
 fewer units (attention: fewer heads, the module's per-partition head counts follow), and the row
@@ -20,7 +25,8 @@ all-reduce, whose shape stays [s, b, hidden].
 
 Checkpoints: each slotted parameter carries `tp_shard_size`, its even shard's length, and
 --save / --load run inside StageBalancer.even_layout (the even partition: those leading entries
-hold the even shard), so the files are those of an ordinary TP run (megatron/model/full_state.py).
+hold the even shard), so the files are those of an ordinary TP run (megatron/model/full_state.py):
+layout-free shards of the full tensors, loadable at even TP, another TP, or with FlexTP again.
 
 Timing: each pair measures the wall time from its column input to its row all-reduce (the TP
 compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
@@ -29,7 +35,7 @@ figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=R
 (megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler);
 under FLEXTP_CLOCK=modelled the pair instead reports its work at a modelled rate divided by the
 factor, and redoes nothing (the same figures on a loaded machine).
-Restrictions, checked in `convert_stages`: GPT layers, no gated MLP, no grouped-query attention.
+GPT only (T5 is refused by the configuration check).
 """
 from __future__ import annotations
 
@@ -40,16 +46,14 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 
-from dynapipe_ext.flextp.partition import Partition, even_partition
+from dynapipe_ext.flextp.partition import MAX_SHARE, Partition, even_partition, slot_capacity
 from megatron.flextp.layers import COMM, checked_drops, modelled_clock, modelled_seconds
 from megatron.flextp.migrate import exchange_units, new_layout
 
 KINDS = ("attn", "mlp")
 
 
-def capacity(num_units: int, tp: int) -> int:
-    """Slots per rank: twice the even share, at most what leaves one unit to every other rank."""
-    return min(2 * num_units // tp, num_units - (tp - 1))
+capacity = slot_capacity     # slots per rank (dynapipe_ext/flextp/partition.py)
 
 
 class FlexPair:
@@ -58,9 +62,14 @@ class FlexPair:
 
     def __init__(self, kind: str, partition: Partition, rank: int, cap: int, col_rows: int,
                  row_cols: int, hidden: int, slowdown: int = 1, attention=None,
-                 device=None, imputes: bool = True, modelled: bool = False):
+                 device=None, imputes: bool = True, modelled: bool = False, halves: int = 1,
+                 heads_per_unit: int = 1):
         self.kind, self.partition, self.rank, self.capacity = kind, partition, rank, cap
         self.col_rows, self.row_cols, self.hidden = col_rows, row_cols, hidden
+        # a gated MLP's fc1 (halves 2): [gate rows of the held units; up rows of them; spare
+        # zeros], col_rows rows per unit in each half, as megatron-core's MLP chunks its output
+        self.halves = halves
+        self.heads_per_unit = heads_per_unit     # attention: a unit is one query group
         self.slowdown, self.attention = slowdown, attention
         self.modelled = modelled                 # FLEXTP_CLOCK=modelled: no timer, no GEMM redone
         self.burn = 1 if modelled else slowdown
@@ -82,7 +91,7 @@ class FlexPair:
 
     def unit_macs(self) -> int:
         """Multiply-adds of one unit per token."""
-        return (self.col_rows + self.row_cols) * self.hidden
+        return (self.halves * self.col_rows + self.row_cols) * self.hidden
 
     def _refresh(self) -> None:
         n = len(self.units())
@@ -95,7 +104,7 @@ class FlexPair:
         self._skipped = torch.tensor([i for i in range(n) if i not in slots], dtype=torch.long)
         self._on_device: dict = {}             # (skipped?, per, device) -> index there
         if self.attention is not None:   # megatron-core reshapes q/k/v by these counts
-            self.attention.num_attention_heads_per_partition = len(slots)
+            self.attention.num_attention_heads_per_partition = len(slots) * self.heads_per_unit
             self.attention.num_query_groups_per_partition = len(slots)
 
     def set_drops(self, units) -> None:
@@ -113,39 +122,44 @@ class FlexPair:
         """Priority of each held unit: |its column rows| x |its row columns|."""
         n = len(self.units())
         with torch.no_grad():
-            col = self.column.weight[:n * self.col_rows].reshape(n, -1).float().norm(dim=1)
+            col = self.column.weight[:self.halves * n * self.col_rows].reshape(
+                self.halves, n, -1).float().norm(dim=(0, 2))
             row = self.row.weight[:, :n * self.row_cols].reshape(self.hidden, n, -1)
             return (col * row.float().norm(dim=(0, 2))).tolist()
 
     def sharded(self):
-        """(parameter, slot axis, entries per unit) of every slotted tensor."""
-        out = [(self.column.weight, 0, self.col_rows), (self.row.weight, 1, self.row_cols)]
+        """(parameter, slot axis, entries per unit and half, halves) of every slotted tensor."""
+        out = [(self.column.weight, 0, self.col_rows, self.halves),
+               (self.row.weight, 1, self.row_cols, 1)]
         if self.column.bias is not None:
-            out.append((self.column.bias, 0, self.col_rows))
+            out.append((self.column.bias, 0, self.col_rows, self.halves))
         return out
 
-    def _rows(self, per: int, device) -> int | torch.Tensor:
+    def _rows(self, per: int, device, halves: int = 1) -> int | torch.Tensor:
         """The computed slots' entries along the slot axis: a leading count when nothing is
         skipped, else an index tensor."""
         if self._all:
-            return len(self.units()) * per
-        return self.index_on(device, per)
+            return halves * len(self.units()) * per
+        return self.index_on(device, per, halves=halves)
 
-    def index_on(self, device, per: int = 1, skipped: bool = False) -> torch.Tensor:
-        """The entries of the computed (or skipped) slots, `per` per slot, as an index tensor on
-        `device`, made once per set of skips (a host-to-device copy per forward would stall
-        the host on a GPU)."""
-        key = (skipped, per, device)
+    def index_on(self, device, per: int = 1, skipped: bool = False,
+                 halves: int = 1) -> torch.Tensor:
+        """The entries of the computed (or skipped) slots, `per` per slot (in each of `halves`
+        halves of len(units) slots), as an index tensor on `device`, made once per set of
+        skips (a host-to-device copy per forward would stall the host on a GPU)."""
+        key = (skipped, per, device, halves)
         if key not in self._on_device:
             slots = self._skipped if skipped else self._index
             rows = (slots[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+            span = len(self.units()) * per
+            rows = torch.cat([rows + h * span for h in range(halves)])
             self._on_device[key] = rows.to(device)
         return self._on_device[key]
 
-    def take(self, t: torch.Tensor, axis: int, per: int) -> torch.Tensor:
+    def take(self, t: torch.Tensor, axis: int, per: int, halves: int = 1) -> torch.Tensor:
         """The computed slots of `t` (a view when nothing is skipped). For a parameter with a
         GradBuffer, while autograd records, through UsedSlots."""
-        rows = self._rows(per, t.device)
+        rows = self._rows(per, t.device, halves)
         if (getattr(t, "grad_buffer", None) is not None and t.requires_grad
                 and torch.is_grad_enabled()):
             return UsedSlots.apply(t, axis, rows)
@@ -233,8 +247,8 @@ class SlotColumn(torch.nn.Module):
         pair = self.pair
         pair.start(x)
         x = copy_to_tensor_model_parallel_region(x)
-        w = pair.take(self.weight, 0, pair.col_rows)
-        b = None if self.bias is None else pair.take(self.bias, 0, pair.col_rows)
+        w = pair.take(self.weight, 0, pair.col_rows, pair.halves)
+        b = None if self.bias is None else pair.take(self.bias, 0, pair.col_rows, pair.halves)
         out = F.linear(x, w, None if self.skip_bias_add else b)
         _burn(pair.burn, out, lambda: F.linear(x.detach(), w.detach()))
         return (out, b) if self.skip_bias_add else (out, None)
@@ -295,7 +309,8 @@ def _burn(factor: int, out: torch.Tensor, once) -> None:
         out.register_hook(in_backward)
 
 
-def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.nn.Parameter:
+def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int,
+             halves: int = 1) -> torch.nn.Parameter:
     """A parameter of `cap` slots along `axis` holding `param` in its first slots, zeros after,
     with the attributes megatron set on `param` (tensor_model_parallel, partition_dim, ...) and
     `tp_shard_size`, the even shard's length, so checkpoints hold the even shard alone
@@ -303,8 +318,9 @@ def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.
     if not (getattr(param, "tensor_model_parallel", False) and param.partition_dim == axis):
         raise ValueError(f"FlexTP: a slotted parameter must be TP-split along axis {axis}")
     shape = list(param.shape)
-    shape[axis] = cap * per
+    shape[axis] = halves * cap * per
     data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    # a gated fc1's even shard [gate_i; up_i] is already the slot layout of its units
     data.narrow(axis, 0, param.shape[axis]).copy_(param.detach())
     fresh = torch.nn.Parameter(data, requires_grad=param.requires_grad)
     for name, value in vars(param).items():
@@ -314,44 +330,49 @@ def _slotted(param: torch.nn.Parameter, axis: int, per: int, cap: int) -> torch.
 
 
 def convert_stages(stages, tp: int, tp_rank: int, ffn_unit: int, slowdown: int = 1,
-                   imputes: bool = True) -> dict[str, list[FlexPair]]:
-    """Swap the TP linears of every GPT layer of this rank's stage modules (stage index ->
-    StageModule, weights already set) for slot linears; returns the pairs by kind. Call before
-    the gradient buffer and optimizer are built. `imputes`: record the imputation values
-    (needed where units may be skipped: resize, semi)."""
+                   imputes: bool = True,
+                   max_share: float = MAX_SHARE) -> dict[str, list[FlexPair]]:
+    """Swap the TP linears of every GPT layer (or half layer, --pipeline-split) of this rank's
+    stage modules (stage index -> StageModule, weights already set) for slot linears; returns
+    the pairs by kind. Call before the gradient buffer and optimizer are built. `imputes`:
+    record the imputation values (needed where units may be skipped: resize, semi);
+    `max_share`: slots per rank over the even share (capacity)."""
     pairs: dict[str, list[FlexPair]] = {k: [] for k in KINDS}
     modelled = modelled_clock()
     for s in sorted(stages):
         module = stages[s]
         if module.spec.model != "gpt":
-            raise ValueError("--tp-balance: FlexTP supports GPT models only")
+            raise ValueError("--tp-balance: FlexTP's slot layers cover GPT layers only")
         if module.decoder is None:
             continue
         cfg = module.config
-        if cfg.gated_linear_unit:
-            raise ValueError("--tp-balance: a gated MLP (--gated-gelu) is not supported")
-        if cfg.num_query_groups != cfg.num_attention_heads:
-            raise ValueError("--tp-balance: grouped-query attention is not supported")
         hidden, heads, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size
+        groups = cfg.num_query_groups or heads
         if ffn % ffn_unit or (ffn // ffn_unit) % tp:
             raise ValueError(f"--flextp-ffn-unit {ffn_unit}: --ffn-hidden-size {ffn} must "
                              f"split into units of that many columns, a multiple of TP={tp}")
-        head_dim = cfg.kv_channels
+        head_dim, per_group = cfg.kv_channels, heads // groups
+        halves = 2 if cfg.gated_linear_unit else 1
         for layer in module.decoder.layers:
             att, mlp = layer.self_attention, layer.mlp
-            specs = (("attn", att, "linear_qkv", "linear_proj", heads, 3 * head_dim, head_dim,
-                      att),
+            # an attention unit is one query group: its heads' q rows, its k and v rows, and
+            # its heads' output columns (one head each without grouped-query attention)
+            specs = (("attn", att, "linear_qkv", "linear_proj", groups,
+                      (per_group + 2) * head_dim, per_group * head_dim, 1, att),
                      ("mlp", mlp, "linear_fc1", "linear_fc2", ffn // ffn_unit, ffn_unit,
-                      ffn_unit, None))
-            for kind, owner, col_name, row_name, n_units, rows, cols, attention in specs:
+                      ffn_unit, halves, None))
+            for kind, owner, col_name, row_name, n_units, rows, cols, h, attention in specs:
+                if not hasattr(owner, col_name):      # the half another stage runs
+                    continue
                 col, row = getattr(owner, col_name), getattr(owner, row_name)
-                cap = capacity(n_units, tp)
+                cap = capacity(n_units, tp, max_share)
                 pair = FlexPair(kind, even_partition(n_units, tp), tp_rank, cap, rows, cols,
                                 hidden, slowdown, attention, device=col.weight.device,
-                                imputes=imputes, modelled=modelled)
-                pair.column = SlotColumn(pair, _slotted(col.weight, 0, rows, cap),
+                                imputes=imputes, modelled=modelled, halves=h,
+                                heads_per_unit=per_group)
+                pair.column = SlotColumn(pair, _slotted(col.weight, 0, rows, cap, h),
                                          None if col.bias is None
-                                         else _slotted(col.bias, 0, rows, cap),
+                                         else _slotted(col.bias, 0, rows, cap, h),
                                          col.skip_bias_add)
                 pair.row = SlotRow(pair, _slotted(row.weight, 1, cols, cap), row.bias,
                                    row.skip_bias_add)
@@ -377,6 +398,28 @@ def optimizer_fields(optimizer, param) -> list[torch.Tensor]:
     return out
 
 
+def _unit_major(t: torch.Tensor, axis: int, per: int, n: int, halves: int) -> torch.Tensor:
+    """The leading `n` units of a slotted tensor with each unit's entries together: a gated
+    fc1's [gate(n); up(n)] as [gate_0; up_0; gate_1; up_1; ...] (a copy); else a view."""
+    used = t.narrow(axis, 0, halves * n * per)
+    if halves == 1:
+        return used
+    moved = used.movedim(axis, 0)
+    rest = moved.shape[1:]
+    out = moved.reshape(halves, n, per, *rest).transpose(0, 1).reshape(n * halves * per, *rest)
+    return out.movedim(0, axis)
+
+
+def _halves_major(t: torch.Tensor, axis: int, per: int, n: int, halves: int) -> torch.Tensor:
+    """The inverse of _unit_major: [gate(n); up(n)] from units side by side."""
+    if halves == 1:
+        return t
+    moved = t.movedim(axis, 0)
+    rest = moved.shape[1:]
+    out = moved.reshape(n, halves, per, *rest).transpose(0, 1).reshape(n * halves * per, *rest)
+    return out.movedim(0, axis)
+
+
 def migrate_pairs(pairs: list[FlexPair], optimizer, new: Partition, group) -> int:
     """Move units between the TP ranks so `pairs` (one kind, one shared partition) follow
     `new`: every slotted tensor and its optimizer fields, in place (migrate.exchange_units).
@@ -386,16 +429,19 @@ def migrate_pairs(pairs: list[FlexPair], optimizer, new: Partition, group) -> in
     old, rank = pairs[0].partition, pairs[0].rank
     if any(p.partition != old for p in pairs):
         raise ValueError("migrate_pairs: the pairs must share one partition")
-    tensors = [(t, axis, per) for p in pairs for param, axis, per in p.sharded()
-               for t in [param.detach()] + optimizer_fields(optimizer, param)]
-    received, sent = exchange_units(tensors, old, new, rank, group)
     mine_old, mine_new = old.units_of(rank), new.units_of(rank)
+    tensors = [(t, axis, per, halves) for p in pairs for param, axis, per, halves in p.sharded()
+               for t in [param.detach()] + optimizer_fields(optimizer, param)]
+    units = [(_unit_major(t, axis, per, len(mine_old), halves), axis, per * halves)
+             for t, axis, per, halves in tensors]
+    received, sent = exchange_units(units, old, new, rank, group)
     with torch.no_grad():
-        for k, (t, axis, per) in enumerate(tensors):
-            filled = new_layout(t, axis, per, mine_old, mine_new, received, k)
-            t.narrow(axis, 0, len(mine_new) * per).copy_(filled)
-            t.narrow(axis, len(mine_new) * per, t.shape[axis] - len(mine_new) * per).zero_()
+        filled = [new_layout(u, axis, per, mine_old, mine_new, received, k)
+                  for k, (u, axis, per) in enumerate(units)]
+        for (t, axis, per, halves), f in zip(tensors, filled):
+            used = halves * len(mine_new) * per
+            t.narrow(axis, 0, used).copy_(_halves_major(f, axis, per, len(mine_new), halves))
+            t.narrow(axis, used, t.shape[axis] - used).zero_()
     for p in pairs:
         p.set_partition(new)
     return sent
-

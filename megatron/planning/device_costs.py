@@ -244,6 +244,8 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
     the device's usable memory and the model-state bytes of our optimizer layout."""
     figures = figures or device_figures(cfg)
     states = state_bytes_per_param(cfg.bf16)
+    share = slot_share(cfg)
+    slots = {"tp_slot_share": share} if share != 1 else {}    # FlexTP's slot capacity
     if cfg.cost_model == "profile" and spec is None:
         raise ValueError("--cost-model profile: the cost model source needs the model spec")
     if cfg.cost_model == "analytic":
@@ -253,13 +255,20 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
             max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length or None,
             full_recompute="stage",   # run_stage_forward: one checkpoint per stage, any device
             sigmoid_gelu=figures.kind == "cpu" and not cfg.bf16,   # stages.gelu_tanh's path
-            **dropout_options(cfg, figures.kind), **analytic_device_options(figures.kind))
+            **slots, **dropout_options(cfg, figures.kind), **analytic_device_options(figures.kind))
     path = profile_cache_path(cfg, spec) if cfg.cost_model == "profile" else cfg.cost_model
     # shapes shorter than the grid are bounded by its first point, more rows scaled (the
     # trainer must be able to plan any sample)
     return CostModelSource.profile(str(path), device_memory_bytes=figures.usable_bytes,
                                    bytes_per_param_state=states, below_grid="bound",
-                                   rows_above_grid="scale")
+                                   rows_above_grid="scale", **slots)
+
+
+def slot_share(cfg) -> float:
+    """The share of the even TP split of a transformer layer's weights and their states one
+    rank holds: --tp-balance-max-share with FlexTP (its slot layers, stage_layers.capacity,
+    allocate at most that), else 1."""
+    return cfg.tp_balance_max_share if cfg.tp_balance != "off" else 1.0
 
 
 # ---------------------------------------------------------------------------- --cost-model profile

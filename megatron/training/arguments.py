@@ -147,6 +147,8 @@ class TrainConfig:
     num_virtual_stages_per_pipeline_rank: int  # v of interleaving; 0: not given (2)
     # FlexTP straggler handling (megatron/flextp/stage_balance.py)
     tp_balance: str  # --tp-balance: off, resize, migrate, semi
+    tp_balance_max_share: float  # slots per rank over the even share
+    flextp_skip_order: str  # resize: rotate or sticky
     flextp_interval: int
     flextp_max_drop_fraction: float
     flextp_accuracy_weight: float
@@ -371,7 +373,6 @@ def pipeline_split_problems(cfg: TrainConfig) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     checks = [(cfg.model == "gpt", "is implemented for GPT only (pretrain_gpt.py)"),
-              (cfg.tp_balance == "off", "cannot be combined with --tp-balance"),
               (cfg.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1"),
               (units is None or (min(units) >= 1 and sum(units) == 2 * cfg.num_layers),
                f"units must each be >= 1 and sum to 2 x --num-layers = {2 * cfg.num_layers} "
@@ -431,8 +432,10 @@ def flextp_problems(cfg: TrainConfig) -> list[str]:
     if cfg.tp_balance == "off" or cfg.tp_balance not in MODES:   # choice_problems says so
         return []
     checks = [(cfg.tensor_model_parallel_size >= 2, "needs --tensor-model-parallel-size >= 2"),
-              (cfg.model == "gpt", "supports GPT models only (pretrain_gpt.py)"),
-              (not cfg.gated_linear_unit, "does not support --gated-gelu"),
+              (cfg.model == "gpt", "supports GPT models only: T5's encoder and decoder "
+               "stages would need one partition per stack and FlexTP's slot layers cover GPT "
+               "layers"),
+              (cfg.tp_balance_max_share >= 1, "needs --tp-balance-max-share >= 1"),
               (cfg.flextp_interval >= 1, "needs --flextp-interval >= 1"),
               (cfg.flextp_patience >= 1, "needs --flextp-patience >= 1"),
               (cfg.flextp_ffn_unit >= 0, "needs --flextp-ffn-unit >= 0"),
