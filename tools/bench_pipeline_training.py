@@ -6,10 +6,16 @@ of pretrain_gpt.py / pretrain_t5.py per schedule: 1f1b and adaptive (2 stages), 
 and data). Measured: each iteration's wall time (`iteration_s` of --stats-file) and real
 tokens/s, over the iterations after the first `--skip`. Predicted: the planner's simulated
 makespan of the same iterations, planned again here with the run's own configuration
-(plan_iteration is deterministic; auto's layout chosen as the trainer chooses it). Writes the
-"Pipeline schedules measured" section of docs/BENCHMARKS.md and docs/bench_pipeline_training.json.
+(plan_iteration is deterministic; auto's layout chosen as the trainer chooses it), with the
+CPU's default analytic cost model or, with `--cost-model profile`, a profile of each model made
+on this machine by the first run (cached under runs/bench_pipeline_training/profiles). Rank 0's
+busy time (forward + backward, from the trainer's time parts) is reported beside it: a schedule
+cannot run faster than its busiest rank. Writes the "Pipeline schedules measured" section of
+docs/BENCHMARKS.md and docs/bench_pipeline_training.json (`_profile` in both names with
+--cost-model profile).
 
     python tools/bench_pipeline_training.py [--iters 12] [--skip 2] [--rounds 2] [--models gpt t5]
+        [--cost-model profile]
 """
 from __future__ import annotations
 
@@ -30,14 +36,23 @@ from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from megatron.bench.schedule_bench import MODELS, SCHEDULES, run_argv  # noqa: E402
 
 
-def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[dict]:
+PROFILE_DIR = REPO / "runs" / "bench_pipeline_training" / "profiles"
+
+
+def cost_flags(cost_model: str) -> list[str]:
+    return ([] if cost_model == "analytic" else
+            ["--cost-model", "profile", "--cost-model-cache-dir", str(PROFILE_DIR)])
+
+
+def train(model: str, schedule: str, iters: int, out: Path, port: int,
+          extra: list[str]) -> list[dict]:
     """One torchrun of 2 processes; the --stats-file records of its iterations."""
     stats = out / f"{model}_{schedule.split()[0]}.jsonl"
     if stats.exists():
         stats.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(port),
-           f"pretrain_{model}.py"] + run_argv(model, schedule, iters, stats)
+           f"pretrain_{model}.py"] + run_argv(model, schedule, iters, stats) + extra
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -48,7 +63,8 @@ def train(model: str, schedule: str, iters: int, out: Path, port: int) -> list[d
     return records, (chosen[0].split("auto: ", 1)[1] if chosen else "")
 
 
-def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], list[str]]:
+def predicted_ms(model: str, schedule: str, iters: int,
+                 extra: list[str]) -> tuple[list[float], list[str]]:
     """The planner's simulated makespan and chosen schedule of each iteration, planned as the
     run planned it (same flags, same data, 2 local ranks)."""
     from dynapipe_ext.plan.iteration_planner import choose_auto_layout, plan_iteration
@@ -57,7 +73,8 @@ def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], li
                                             planner_config)
     os.environ["LOCAL_WORLD_SIZE"] = "2"      # the run's memory share per rank
     os.environ["WORLD_SIZE"] = "2"
-    cfg = parse_args(model, run_argv(model, schedule, iters, Path("unused")), has_cuda=False)
+    cfg = parse_args(model, run_argv(model, schedule, iters, Path("unused")) + extra,
+                     has_cuda=False)
     data = open_training_data(cfg, 0)
     spec = model_spec(cfg, data.vocab_size)
     spec = dataclasses.replace(spec, pipeline_cut=given_cut(cfg, spec))
@@ -72,22 +89,25 @@ def predicted_ms(model: str, schedule: str, iters: int) -> tuple[list[float], li
     return times, names
 
 
-def measure(models, iters: int, skip: int, rounds: int, out: Path) -> list[dict]:
+def measure(models, iters: int, skip: int, rounds: int, out: Path,
+            cost_model: str = "analytic") -> list[dict]:
     """Per (model, schedule): `rounds` runs, the schedules of a model taking turns in each
     round (so a change in the machine's load hits them alike)."""
     rows, port = {}, 29610
     for model in models:
         for r in range(rounds):
             for schedule in SCHEDULES:
-                records, chosen = train(model, schedule, iters, out, port)
+                records, chosen = train(model, schedule, iters, out, port,
+                                        cost_flags(cost_model))
                 port += 1
                 key = (model, schedule)
                 if key not in rows:
-                    predicted, names = predicted_ms(model, schedule, iters)
+                    predicted, names = predicted_ms(model, schedule, iters,
+                                                    cost_flags(cost_model))
                     rows[key] = {"model": model, "schedule": schedule, "auto_layout": chosen,
                                  "measured_ms": [], "predicted_ms": [], "tokens": 0,
                                  "orders": names[skip:], "per_round_median_ms": [],
-                                 "predicted_by_iteration": predicted}
+                                 "predicted_by_iteration": predicted, "busy_ms": []}
                 row = rows[key]
                 kept = [rec for rec in records if rec["iteration"] > skip]
                 measured = [1e3 * rec["iteration_s"] for rec in kept]
@@ -95,6 +115,8 @@ def measure(models, iters: int, skip: int, rounds: int, out: Path) -> list[dict]
                 row["predicted_ms"] += [row["predicted_by_iteration"][rec["iteration"] - 1]
                                         for rec in kept]
                 row["tokens"] += sum(rec["real_tokens"] for rec in kept)
+                row["busy_ms"] += [1e3 * (rec["time_parts"]["forward"]
+                                          + rec["time_parts"]["backward"]) for rec in kept]
                 row["per_round_median_ms"].append(statistics.median(measured))
                 print(json.dumps({"round": r, "model": model, "schedule": schedule,
                                   "median_ms": row["per_round_median_ms"][-1]}), flush=True)
@@ -115,26 +137,34 @@ def markdown(result: dict) -> str:
              "layers, hidden 128, 8,192 tokens per batch; T5: 2 + 2 layers, hidden 128, 4,096 "
              "tokens. 1f1b / adaptive cut the model into 2 stages, interleaved (v=2) and wave "
              "(W=1) into 4 virtual stages. Predicted: the planner's simulated makespan of the "
-             "same iterations (`--cost-model analytic`, the CPU default: nominal 0.05 TFLOP/s "
-             "and no link time). The machine has 2 cores shared with other jobs (1-minute load "
+             "same iterations, " + COST_TEXT[result.get("cost_model", "analytic")] + ". "
+             "Rank 0 busy: its forward + backward time per iteration (median), from the "
+             "trainer's time parts; no schedule beats its busiest rank. "
+             "The machine has 2 cores shared with other jobs (1-minute load "
              f"average {load} before, {after} after), so single runs are noisy.", "",
              "| model | schedule | tokens/s | measured ms / iteration (median; per round) | "
-             "predicted ms (median) | measured / predicted (sums) | orders run |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "predicted ms (median) | measured / predicted (sums) | rank 0 busy ms | "
+             "orders run |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         name = r["schedule"] + (f" ({r['auto_layout'].split(' ')[0]})" if r["auto_layout"]
                                 else "")
         orders = sorted({o.split("[")[0] for o in r["orders"]})
+        busy = f"{statistics.median(r['busy_ms']):.0f}" if r.get("busy_ms") else "-"
         lines.append(f"| {r['model']} | {name} | {r['tokens_per_s']:,.0f} | "
                      f"{statistics.median(r['measured_ms']):.0f} ("
                      + ", ".join(f"{m:.0f}" for m in r["per_round_median_ms"]) + ") | "
                      f"{statistics.median(r['predicted_ms']):.0f} | "
-                     f"{r['measured_over_predicted']:.2f} | {', '.join(orders)} |")
+                     f"{r['measured_over_predicted']:.2f} | {busy} | {', '.join(orders)} |")
     lines += ["", noise_note(result["rows"])]
     return "\n".join(lines)
 
 
 TARGET = 0.15     # the measured / predicted criterion
+COST_TEXT = {"analytic": "`--cost-model analytic` (the CPU default: nominal 0.05 TFLOP/s, no "
+                         "link time)",
+             "profile": "`--cost-model profile` (each model profiled on this CPU by its first "
+                        "run, then cached; no link time)"}
 
 
 def noise_note(rows: list) -> str:
@@ -179,6 +209,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
+    parser.add_argument("--cost-model", choices=tuple(COST_TEXT), default="analytic",
+                        help="the runs' and the predictions' cost model")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--reuse", default=None,
                         help="re-render the table from a saved docs/bench_pipeline_training.json")
@@ -188,29 +220,38 @@ def main(argv=None) -> None:
         body = markdown(result)
         print(body)
         if not args.no_write:
-            write_section(REPO / "docs" / "BENCHMARKS.md", "pipeline_training",
-                          "Pipeline schedules measured", body)
+            write_section(REPO / "docs" / "BENCHMARKS.md", *section(result.get("cost_model",
+                                                                               "analytic")), body)
         return
     out = REPO / "runs" / "bench_pipeline_training"
     out.mkdir(parents=True, exist_ok=True)
     before = os.getloadavg()
-    rows = measure(args.models, args.iters, args.skip, args.rounds, out)
+    rows = measure(args.models, args.iters, args.skip, args.rounds, out, args.cost_model)
     now = datetime.datetime.now(datetime.timezone.utc)
     command = "python tools/bench_pipeline_training.py" + (
         f" --iters {args.iters}" if args.iters != 12 else "") + (
         f" --skip {args.skip}" if args.skip != 2 else "") + (
-        f" --rounds {args.rounds}" if args.rounds != 2 else "")
+        f" --rounds {args.rounds}" if args.rounds != 2 else "") + (
+        " --cost-model profile" if args.cost_model == "profile" else "")
     result = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "command": command,
               "iters": args.iters, "skip": args.skip, "rounds": args.rounds,
-              "load_before": before,
+              "load_before": before, "cost_model": args.cost_model,
               "load_after": os.getloadavg(), "rows": rows}
     body = markdown(result)
     print(body)
     if not args.no_write:
-        (REPO / "docs" / "bench_pipeline_training.json").write_text(
+        suffix = "" if args.cost_model == "analytic" else "_profile"
+        (REPO / "docs" / f"bench_pipeline_training{suffix}.json").write_text(
             json.dumps(result, indent=1) + "\n")
-        write_section(REPO / "docs" / "BENCHMARKS.md", "pipeline_training",
-                      "Pipeline schedules measured", body)
+        write_section(REPO / "docs" / "BENCHMARKS.md", *section(args.cost_model), body)
+
+
+def section(cost_model: str) -> tuple[str, str]:
+    """The BENCHMARKS.md section (name, title) of a cost model's table."""
+    if cost_model == "analytic":
+        return "pipeline_training", "Pipeline schedules measured"
+    return ("pipeline_training_profile",
+            "Pipeline schedules measured, predicted with a profile of this CPU")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Reading a FlexTP training run for tools/bench_flextp_trainer.py: the iterations of its
 --stats-file, the balancer's change lines in its log, the final partition, the ideal time of a
-straggler run (work split by speed) and the table of the runs. Plain Python."""
+straggler run (work split by speed), the table of the runs, and the held-out losses of the
+loss study over seeds. Plain Python."""
 from __future__ import annotations
 
 import ast
@@ -14,17 +15,21 @@ CHANGE = re.compile(r"\[flextp\] iteration (\d+) \(pipeline rank \d+\): (.*); un
                     r"(\{.*?\}), skipped per layer (\{.*?\}); stragglers \(TP ranks\) (\[.*?\])")
 
 
-def iteration_records(lines, where: str = "stats file") -> list[dict]:
-    """The training records of a --stats-file (JSON lines): iteration, seconds, loss, in
-    order; validation records are left out."""
-    out = []
+def _json_lines(lines, where: str):
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}, line {n}: not JSON ({exc})") from None
+
+
+def iteration_records(lines, where: str = "stats file") -> list[dict]:
+    """The training records of a --stats-file (JSON lines): iteration, seconds, loss, in
+    order; validation records are left out."""
+    out = []
+    for n, rec in _json_lines(lines, where):
         if "validation" in rec:
             continue
         if not {"iteration", "iteration_s", "loss"} <= rec.keys():
@@ -32,6 +37,15 @@ def iteration_records(lines, where: str = "stats file") -> list[dict]:
         out.append({"iteration": rec["iteration"], "seconds": rec["iteration_s"],
                     "loss": rec["loss"]})
     return out
+
+
+def held_out_loss(lines, where: str = "stats file") -> float:
+    """The loss of the last validation record of a --stats-file (after the last iteration)."""
+    losses = [rec["validation"]["loss"] for _, rec in _json_lines(lines, where)
+              if "validation" in rec]
+    if not losses:
+        raise ValueError(f"{where}: no validation record (run with --eval-interval)")
+    return losses[-1]
 
 
 def mean_seconds(records: list[dict], skip: int) -> float:
@@ -73,9 +87,18 @@ def ideal_seconds(no_straggler: float, even: float, factor: float) -> tuple[floa
     return no_straggler - share + share * 2 * factor / (factor + 1), share
 
 
-def summarize(runs: dict, skip: int) -> dict:
+def straggler_factor(no_straggler: float, even: float, share: float) -> float:
+    """The slowdown f of a straggler of unknown strength (a busy process on its core) from the
+    even run under it and the TP block share measured with the synthetic 2x straggler:
+    even = no straggler + (f - 1) share."""
+    return 1.0 + max(0.0, even - no_straggler) / share if share > 0 else 1.0
+
+
+def summarize(runs: dict, skip: int, reference: str | None = None) -> dict:
     """Per configuration: the round times, their median, final loss (mean over rounds of the
-    last-window means), the last round's final partition; plus the ideal."""
+    last-window means), the last round's final partition; plus the ideal. With `reference`
+    (the name of an even run under the synthetic 2x straggler), "even" ran under a straggler
+    of unknown strength: the block share comes from `reference`, the factor from "even"."""
     out = {}
     for name, rounds in runs.items():
         times = [mean_seconds(r["records"], skip) for r in rounds]
@@ -83,8 +106,41 @@ def summarize(runs: dict, skip: int) -> dict:
                      "final_loss": statistics.mean(final_loss(r["records"]) for r in rounds),
                      "partition": rounds[-1]["partition"],
                      "changes": [len(r["changes"]) for r in rounds]}
-    ideal, share = ideal_seconds(out["no straggler"]["median"], out["even"]["median"], FACTOR)
-    return {"configs": out, "ideal": ideal, "block_share_s": share}
+    none, even = out["no straggler"]["median"], out["even"]["median"]
+    if reference is None:
+        ideal, share = ideal_seconds(none, even, FACTOR)
+        return {"configs": out, "ideal": ideal, "block_share_s": share, "factor": FACTOR}
+    _, share = ideal_seconds(none, out[reference]["median"], FACTOR)
+    factor = straggler_factor(none, even, share)
+    ideal, _ = ideal_seconds(none, none + (factor - 1) * share, factor)
+    return {"configs": out, "ideal": ideal, "block_share_s": share, "factor": factor}
+
+
+def summarize_losses(runs: dict, baseline: str = "no straggler") -> dict:
+    """The loss study: per configuration, the held-out loss per seed, its relative difference
+    to `baseline`'s of the same seed, and the means. `runs`: name -> seed (str) -> loss."""
+    base = runs[baseline]
+    out = {}
+    for name, per_seed in runs.items():
+        seeds = [s for s in per_seed if s in base]
+        rel = {s: per_seed[s] / base[s] - 1.0 for s in seeds}
+        out[name] = {"losses": {s: per_seed[s] for s in seeds},
+                     "mean": statistics.mean(per_seed[s] for s in seeds),
+                     "relative": rel, "mean_relative": statistics.mean(rel.values()),
+                     "worst_relative": max(rel.values(), key=abs)}
+    return out
+
+
+def render_loss_table(summary: dict) -> str:
+    seeds = list(next(iter(summary.values()))["losses"])
+    rows = ["| run | held-out loss per seed (" + ", ".join(seeds) + ") | mean | vs no straggler "
+            "per seed | mean | largest |", "|---|---|---|---|---|---|"]
+    for name, c in summary.items():
+        losses = ", ".join(f"{c['losses'][s]:.4f}" for s in seeds)
+        rel = ", ".join(f"{100 * c['relative'][s]:+.2f}%" for s in seeds)
+        rows.append(f"| {name} | {losses} | {c['mean']:.4f} | {rel} | "
+                    f"{100 * c['mean_relative']:+.2f}% | {100 * c['worst_relative']:+.2f}% |")
+    return "\n".join(rows)
 
 
 def _units(part: dict) -> str:
