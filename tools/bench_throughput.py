@@ -697,6 +697,21 @@ def resolve_device(args) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file",
+                 "cost_model_cache_dir")
+
+
+def repo_relative(path: str | None) -> str | None:
+    """`path` relative to the repository when it lies inside it (the evidence JSON names no
+    machine's directories), else as given."""
+    if not path:
+        return path
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
+
+
 def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
     layers = args.num_layers
     t5_layers = max(args.pp, layers // 2)
@@ -761,8 +776,9 @@ def main(argv=None) -> int:
         "commit": commit, "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "device": device, "machine": machine_description(device),
         "load_average_end": os.getloadavg(),
-        "settings": {k: v for k, v in make_job(args, "gpt", max(args.max_lengths), device,
-                                               work).items()
+        "settings": {k: repo_relative(v) if k in PATH_SETTINGS else v
+                     for k, v in make_job(args, "gpt", max(args.max_lengths), device,
+                                          work).items()
                      if k not in ("model", "max_len", "result_file", "strategies")},
         "strategies": list(args.strategies), "rows": rows,
         "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
