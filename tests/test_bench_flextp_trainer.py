@@ -102,3 +102,50 @@ def test_table_has_a_row_per_configuration_and_the_ideal():
     assert f"| 1.400 | 1.500, 1.300 | {1.4 / ideal:.2f}x | 3.1000 |" in semi
     assert "[21, 11] / [5, 3] (skipping [0, 1] / [0, 0])" in semi
     assert rows[-1].startswith(f"| ideal (work split by speed) | {ideal:.3f} |")
+
+
+def test_whole_rank_straggler_ideal_splits_all_work_by_measured_speed():
+    """A busy process on the straggler's core slows all its rank runs: f = even / none, and
+    the ideal is the whole iteration split by speeds 1 and 1/f; the TP block share (what
+    FlexTP can move) comes from the synthetic 2x reference run."""
+    def run(seconds):
+        return {"records": [{"iteration": 1, "seconds": 9.0, "loss": 1.0},
+                            {"iteration": 2, "seconds": seconds, "loss": 1.0}],
+                "partition": {}, "changes": []}
+    runs = {"no straggler": [run(0.4)], "even": [run(0.8)], "reference": [run(0.6)],
+            "semi": [run(0.6)]}
+    summary = bench.summarize(runs, skip=1, reference="reference")
+    assert summary["factor"] == pytest.approx(2.0)
+    assert summary["ideal"] == pytest.approx(0.4 * 4 / 3)
+    assert summary["block_share_s"] == pytest.approx(0.2)
+    assert bench.whole_rank_ideal(0.5, 0.45) == (0.5, 1.0)      # noise: even below none
+
+
+def test_held_out_loss_is_the_last_validation_record(tmp_path):
+    path = tmp_path / "stats.jsonl"
+    logger = TrainLogger(100, stream=io.StringIO(), stats_file=str(path))
+    for i, loss in ((1, 2.5), (2, 2.0)):
+        logger.log(_stats(i, 1.0, 9.0))
+        logger.log_validation(ValidationStats(iteration=i, loss=loss, loss_tokens=5, samples=1,
+                                              batches=1, tasks={}, families={}, eval_s=0.1,
+                                              plan_s=0.0))
+    assert bench.held_out_loss(path.read_text().splitlines()) == 2.0
+    logger.log(_stats(3, 1.0, 9.0))
+    with pytest.raises(ValueError, match="x.jsonl: no validation record"):
+        bench.held_out_loss([json.dumps({"iteration": 1, "iteration_s": 1, "loss": 2})],
+                            "x.jsonl")
+
+
+def test_loss_study_pairs_each_seed_with_its_no_straggler_run():
+    runs = {"no straggler": {"1": 2.0, "2": 4.0},
+            "resize": {"1": 2.02, "2": 3.96}, "semi": {"1": 2.0, "2": 4.08}}
+    summary = bench.summarize_losses(runs)
+    assert summary["resize"]["relative"] == pytest.approx({"1": 0.01, "2": -0.01})
+    assert summary["resize"]["mean_relative"] == pytest.approx(0.0)
+    assert summary["semi"]["worst_relative"] == pytest.approx(0.02)
+    assert summary["no straggler"]["mean_relative"] == 0.0
+    rows = bench.render_loss_table(summary).splitlines()
+    assert len(rows) == 2 + 3
+    assert rows[0].startswith("| run | held-out loss per seed (1, 2) |")
+    resize = next(r for r in rows if r.startswith("| resize |"))
+    assert "| 2.0200, 3.9600 | 2.9900 | +1.00%, -1.00% | +0.00% |" in resize

@@ -15,9 +15,9 @@ warm-up iterations (rebalancing included), the median over `--rounds` interleave
 round runs every configuration once, starting one further along the list, so a drifting machine
 load hits them alike). The ideal: the no-straggler time (slot layers) with the straggler's TP
 block share split by speed, the share taken from the even and no-straggler medians. Under `--straggler taskset` the
-straggler's strength f is not known: the rounds also run "even" under the synthetic 2x
-straggler, which gives the block share, and f follows from the even run under the busy process
-(even = no straggler + (f - 1) x share). Final partition and skipped units per rank: the
+busy process slows everything rank 1 runs: f = even / no straggler, the ideal is the
+no-straggler time with all work split by speed, and the rounds also run "even" under the
+synthetic 2x straggler, which measures the TP block share (the part FlexTP can move). Final partition and skipped units per rank: the
 balancer's last change line in the log. Writes docs/bench_flextp_trainer[_pp2][_taskset].json
 and, with --write-doc, the matching section of docs/BENCHMARKS.md.
 
@@ -240,12 +240,14 @@ def straggler_text(meta: dict, summary: dict) -> str:
                 f"({summary['block_share_s']:.3f} s, even minus no straggler) split by speed "
                 "(x 2f/(f+1), f = 2).")
     return ("Straggler: a busy process (`taskset -c 1 python -c 'while True: pass'`) on TP rank "
-            "1's core for the whole run, so the kernel shares that core between it and the "
-            "rank(s) pinned there. Its strength is measured, not set: the block share "
-            f"({summary['block_share_s']:.3f} s) comes from \"{SYNTHETIC_EVEN}\" (2x exactly, "
-            "same invocation), and f = 1 + (even - no straggler) / share = "
-            f"{summary['factor']:.2f}. The ideal: the no-straggler time with the block share "
-            "split by speed (x 2f/(f+1)).")
+            "1's core for the whole run; the kernel shares that core between it and the rank(s) "
+            "pinned there, so it slows everything rank 1 runs, not only its TP units. Its "
+            "strength is measured, not set: f = even / no straggler = "
+            f"{summary['factor']:.2f}. The ideal: the no-straggler time with all the iteration's "
+            "work split by the ranks' speeds (x 2f/(f+1)). Of the no-straggler time, the TP "
+            f"block FlexTP can move is {summary['block_share_s']:.3f} s per rank (from "
+            f"\"{SYNTHETIC_EVEN}\", same invocation: even minus no straggler under the exact 2x "
+            "slow-down of the slot GEMMs).")
 
 
 def doc_text(meta: dict, table: str, summary: dict, out_name: str) -> str:

@@ -87,18 +87,21 @@ def ideal_seconds(no_straggler: float, even: float, factor: float) -> tuple[floa
     return no_straggler - share + share * 2 * factor / (factor + 1), share
 
 
-def straggler_factor(no_straggler: float, even: float, share: float) -> float:
-    """The slowdown f of a straggler of unknown strength (a busy process on its core) from the
-    even run under it and the TP block share measured with the synthetic 2x straggler:
-    even = no straggler + (f - 1) share."""
-    return 1.0 + max(0.0, even - no_straggler) / share if share > 0 else 1.0
+def whole_rank_ideal(no_straggler: float, even: float) -> tuple[float, float]:
+    """(ideal, f) under a straggler that slows everything its rank runs (a busy process on its
+    core): f = even / no straggler, measured; ideal = the iteration's work split by the two
+    ranks' speeds 1 and 1/f, no straggler x 2f/(f+1). A bound FlexTP cannot reach when part
+    of the slowed work is not TP units (norms, embedding, output layer, optimizer)."""
+    factor = max(1.0, even / no_straggler)
+    return no_straggler * 2 * factor / (factor + 1), factor
 
 
 def summarize(runs: dict, skip: int, reference: str | None = None) -> dict:
     """Per configuration: the round times, their median, final loss (mean over rounds of the
     last-window means), the last round's final partition; plus the ideal. With `reference`
     (the name of an even run under the synthetic 2x straggler), "even" ran under a straggler
-    of unknown strength: the block share comes from `reference`, the factor from "even"."""
+    that slows its whole rank (whole_rank_ideal); `reference` gives the TP block share, the
+    part FlexTP can move."""
     out = {}
     for name, rounds in runs.items():
         times = [mean_seconds(r["records"], skip) for r in rounds]
@@ -111,8 +114,7 @@ def summarize(runs: dict, skip: int, reference: str | None = None) -> dict:
         ideal, share = ideal_seconds(none, even, FACTOR)
         return {"configs": out, "ideal": ideal, "block_share_s": share, "factor": FACTOR}
     _, share = ideal_seconds(none, out[reference]["median"], FACTOR)
-    factor = straggler_factor(none, even, share)
-    ideal, _ = ideal_seconds(none, none + (factor - 1) * share, factor)
+    ideal, factor = whole_rank_ideal(none, even)
     return {"configs": out, "ideal": ideal, "block_share_s": share, "factor": factor}
 
 
