@@ -73,6 +73,8 @@ def predicted_ms(model: str, schedule: str, iters: int,
                                             planner_config)
     os.environ["LOCAL_WORLD_SIZE"] = "2"      # the run's memory share per rank
     os.environ["WORLD_SIZE"] = "2"
+    import torch
+    torch.set_num_threads(1)                  # the runs' OMP_NUM_THREADS=1: their profile's key
     cfg = parse_args(model, run_argv(model, schedule, iters, Path("unused")) + extra,
                      has_cuda=False)
     data = open_training_data(cfg, 0)
