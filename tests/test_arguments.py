@@ -397,3 +397,47 @@ def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model, tm
     stages = {name: pipeline_stage_count(parse_args(model, argv(name), has_cuda=False))
               for name in SCHEDULES}
     assert stages == {"1f1b": 2, "adaptive": 2, "interleaved v=2": 4, "wave W=1": 4, "auto": 2}
+
+
+def test_group_query_attention_reaches_the_model_spec_and_megatron_core_config():
+    """pretrain_gpt.py --group-query-attention --num-query-groups 2: the config, the planner's
+    ModelSpec and the megatron-core TransformerConfig the stages are built from all have 2
+    query groups; without the flag every head is its own group (and the ModelSpec is the
+    one of before), and --group-query-attention alone is Megatron's default of 1 group."""
+    from megatron.model.stages import build_transformer_config
+    from megatron.training.training import model_spec
+    cfg = parse_args("gpt", BASE + ["--group-query-attention", "--num-query-groups", "2",
+                                    "--tensor-model-parallel-size", "2"], has_cuda=False)
+    assert cfg.group_query_attention and cfg.num_query_groups == 2
+    spec = model_spec(cfg, 1000)
+    assert spec.num_query_groups == 2 and spec.query_groups == 2
+    config = build_transformer_config(spec, tp=2, fused=False)
+    assert (config.num_attention_heads, config.num_query_groups) == (4, 2)
+    plain = parse_args("gpt", BASE, has_cuda=False)
+    assert not plain.group_query_attention and plain.num_query_groups == 4
+    assert model_spec(plain, 1000).num_query_groups == 0       # the spec of before: MHA
+    assert build_transformer_config(model_spec(plain, 1000), fused=False).num_query_groups == 4
+    mqa = parse_args("gpt", BASE + ["--group-query-attention"], has_cuda=False)
+    assert mqa.num_query_groups == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
+      "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--group-query-attention", "--tensor-model-parallel-size", "2"],   # default: 1 group
+     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups must be > 0"),
+])
+def test_bad_query_group_combinations_are_errors_naming_the_flags(capsys, argv, message):
+    assert message in parse_or_exit_message(capsys, "gpt", argv)
+
+
+def test_group_query_attention_on_t5_is_refused_in_one_line(capsys):
+    err = parse_or_exit_message(capsys, "t5", ["--group-query-attention", "--num-query-groups",
+                                               "2"])
+    assert ("--group-query-attention is GPT only: megatron-core's T5 cross-attention does not "
+            "support grouped-query attention") in err
+    assert err.count("\n") == 1

@@ -419,3 +419,28 @@ def test_token_weighted_length_is_the_sample_length_of_an_average_token():
     assert token_weighted_length([2, 4], 100) == pytest.approx((4 + 16) / 6)
     assert token_weighted_length([2, 4], 3) == pytest.approx((4 + 9) / 5)     # cut at max_len
     assert token_weighted_length([[1, 1], [3, 1]], 100) == pytest.approx((4 + 16) / 6)  # T5 parts
+
+
+def test_grouped_query_attention_shrinks_k_and_v_in_params_flops_and_kept_bytes():
+    """With 8 heads in 2 query groups, K and V are a quarter of MHA's: the attention half's
+    parameters are (2 + 2/4) h^2 / tp instead of 4 h^2 / tp, and its linear flops and kept
+    Q/K/V bytes shrink; the MLP is untouched. Model FLOPs (MFU) count the smaller K and V."""
+    from dynapipe_ext.batching.model_flops import real_flops
+    mha = ModelSpec("gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
+                    vocab_size=1000)
+    gqa = dataclasses.replace(mha, num_query_groups=2)
+    h = 64
+    a, g = AnalyticCostModel(mha, tp=2), AnalyticCostModel(gqa, tp=2)
+    assert a.layer_params("gpt_attention") == 4 * h * h / 2
+    assert g.layer_params("gpt_attention") == (2 + 2 * 2 / 8) * h * h / 2
+    assert g.layer_params("gpt_mlp") == a.layer_params("gpt_mlp")
+    b, s = np.array([2.0]), np.array([128.0])
+    full, grouped = a._attention_terms(b, s), g._attention_terms(b, s)
+    assert grouped.lin[0] == pytest.approx(full.lin[0] * (2 + 0.5) / 4)
+    assert grouped.kept_lin[0] < full.kept_lin[0]
+    assert sum(g.model_state_bytes(1)) < sum(a.model_state_bytes(1))
+    per_token_saved = 3 * 2 * 2 * h * (h - 2 * h // 8) * mha.num_layers   # K and V rows
+    assert real_flops(mha, [100]) - real_flops(gqa, [100]) == pytest.approx(
+        100 * per_token_saved)
+    with pytest.raises(ValueError, match="num_query_groups 3 must be > 0 and divide"):
+        dataclasses.replace(mha, num_query_groups=3)

@@ -55,6 +55,7 @@ PARSER_BEFORE = {
     "--fp16": (False, None, 'None', 0, False),
     "--gated-gelu": (False, None, 'None', 0, False),
     "--global-batch-size": (None, None, 'int', None, False),
+    "--group-query-attention": (False, None, 'None', 0, False),
     "--hidden-dropout": (0.1, None, 'float', None, False),
     "--hidden-size": (None, None, 'int', None, True),
     "--keep-last": (0, None, 'int', None, False),
@@ -90,6 +91,7 @@ PARSER_BEFORE = {
     "--num-layers": (None, None, 'int', None, False),
     "--num-layers-per-virtual-pipeline-stage": (None, None, 'int', None, False),
     "--num-planner-workers": (1, None, 'planner_workers', None, False),
+    "--num-query-groups": (None, None, 'int', None, False),
     "--num-virtual-stages-per-pipeline-rank": (None, None, 'int', None, False),
     "--override-opt-param-scheduler|--override-opt_param-scheduler":
         (False, None, 'None', 0, False),
@@ -177,7 +179,7 @@ def test_config_fields_have_no_defaults_of_their_own():
     assert not with_default
     filled = {f.field_name for f in FLAGS if f.field_name} | {"model"}
     resolved = {"num_layers", "decoder_num_layers", "seq_length", "decoder_seq_length",
-                "ffn_hidden_size", "max_position_embeddings", "kv_channels",
+                "ffn_hidden_size", "max_position_embeddings", "kv_channels", "num_query_groups",
                 "distributed_timeout_minutes", "tokens_per_global_batch", "global_batch_size",
                 "num_virtual_stages_per_pipeline_rank", "cost_model", "lr_decay_iters",
                 "lr_wsd_decay_iters"}

@@ -1,8 +1,8 @@
 """FlexTP across the main trainer's models and layouts (pretrain_gpt.py --tp-balance): a gated
-MLP at an uneven partition computes the loss and every gradient of even TP and of TP=1;
---pipeline-split (half layers) trains; T5 is refused in one line; the slot capacity follows
---tp-balance-max-share (allocation, clamping, the planner's memory model); resizing rotates
-the skipped units so every unit keeps getting gradients."""
+MLP, or grouped-query attention, at an uneven partition computes the loss and every gradient of
+even TP and of TP=1; --pipeline-split (half layers) trains; T5 is refused in one line; the
+slot capacity follows --tp-balance-max-share (allocation, clamping, the planner's memory
+model); resizing rotates the skipped units so every unit keeps getting gradients."""
 import math
 
 import pytest
@@ -22,34 +22,48 @@ def _gradients_close(got: dict, want: dict) -> None:
         assert (got[name] - t).norm() <= 1e-4 * t.norm() + 1e-7, name
 
 
+# Layer options whose FlexTP units are more than one head / one ffn column group: flags, and
+# the full (TP=1) shape of the tensor that shows them.
+# gated MLP (--gated-gelu): fc1 = [gate; up], each half slotted.
+# grouped-query attention: 8 heads in 4 query groups (head size 4), a unit is one group: its
+# 2 heads' Q rows and its one K and V row block; linear_qkv has (8 + 2 x 4) x 4 rows, not 3 x 32.
+LAYER_OPTIONS = {
+    "gated-mlp": (["--gated-gelu", "--disable-bias-linear"],
+                  "decoder.layers.0.mlp.linear_fc1.weight", (2 * 128, 32)),
+    "gqa": (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups",
+             "4"], "decoder.layers.0.self_attention.linear_qkv.weight", ((8 + 2 * 4) * 4, 32)),
+}
+
+
 @pytest.mark.slow
-def test_gated_mlp_uneven_equals_even_and_tp1_in_loss_and_every_gradient(
-        sp_dataset, tmp_path):  # noqa: F811
-    """--gated-gelu (fc1 = [gate; up], each half slotted): with --adam-beta1 0 the first
-    step's first Adam moment is the gradient itself, which the layout-free checkpoint holds
-    as full tensors; TP=1, even TP=2 and TP=2 at the uneven partition (3 of 4 heads, 22 of 32
-    MLP units on TP rank 0) agree in it for every parameter, and in the losses."""
-    argv = sp_dataset + MODEL + ["--gated-gelu", "--disable-bias-linear", "--train-iters", "2",
-                                 "--adam-beta1", "0",
-                                 "--clip-grad", "0", "--save-interval", "1"]
+@pytest.mark.parametrize("option", sorted(LAYER_OPTIONS))
+def test_uneven_equals_even_and_tp1_in_loss_and_every_gradient(sp_dataset, tmp_path,
+                                                               option):  # noqa: F811
+    """A gated MLP, or grouped-query attention: with --adam-beta1 0 the first step's first
+    Adam moment is the gradient itself, which the layout-free checkpoint holds as full
+    tensors; TP=1, even TP=2 and TP=2 at the uneven partition (3 of 4 attention units - heads,
+    or query groups -, 22 of 32 MLP units on TP rank 0) agree in it for every parameter, and
+    in the losses."""
+    flags, name, full_shape = LAYER_OPTIONS[option]
+    argv = sp_dataset + MODEL + flags + ["--train-iters", "2", "--adam-beta1", "0",
+                                         "--clip-grad", "0", "--save-interval", "1"]
     runs = {"tp1": (1, ["--tensor-model-parallel-size", "1"]), "even": (2, []),
             "uneven": (2, UNEVEN)}
     out = {}
-    for name, (world, extra) in runs.items():
-        out[name] = run_in_processes(_train, world, (argv + extra + [
-            "--save", str(tmp_path / name)],), timeout_s=400)
+    for run, (world, extra) in runs.items():
+        out[run] = run_in_processes(_train, world, (argv + extra + [
+            "--save", str(tmp_path / run)],), timeout_s=400)
     for r in out["uneven"]:
         assert all(h["counts"] == UNEVEN_COUNTS for h in r["history"]), r["history"]
     losses = out["tp1"][0]["losses"]
     assert all(math.isfinite(x) for x in losses)
-    for name in ("even", "uneven"):
-        assert out[name][0]["losses"] == pytest.approx(losses, rel=1e-6)
-    grads = {name: {k.removesuffix(" exp_avg"): v
-                    for k, v in full_state(tmp_path / name, 1).items() if k.endswith("exp_avg")}
-             for name in runs}
+    for run in ("even", "uneven"):
+        assert out[run][0]["losses"] == pytest.approx(losses, rel=1e-6)
+    grads = {run: {k.removesuffix(" exp_avg"): v
+                   for k, v in full_state(tmp_path / run, 1).items() if k.endswith("exp_avg")}
+             for run in runs}
     assert any("linear_fc1" in k for k in grads["tp1"])
-    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
-    assert grads["tp1"][fc1].shape == (2 * 128, 32)          # gate and up halves, full size
+    assert grads["tp1"][name].shape == full_shape
     _gradients_close(grads["even"], grads["tp1"])
     _gradients_close(grads["uneven"], grads["tp1"])
 

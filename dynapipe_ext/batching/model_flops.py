@@ -29,8 +29,9 @@ def _per_token_linear(spec: ModelSpec) -> tuple[float, float, float]:
     cross-attention linears on decoder tokens, the cross-attention K and V per encoder
     token); the MLP is in the first."""
     h, f, p = spec.hidden_size, spec.ffn_size, spec.num_attention_heads * spec.head_dim
+    kv = spec.query_groups * spec.head_dim     # K and V: one head per query group
     mlp = (3 if spec.gated_linear_unit else 2) * h * f
-    return 2.0 * (3 * h * p + p * h + mlp), 2.0 * (2 * h * p), 2.0 * (2 * h * p)
+    return 2.0 * (h * p + 2 * h * kv + p * h + mlp), 2.0 * (2 * h * p), 2.0 * (2 * h * kv)
 
 
 def _forward_flops(spec: ModelSpec, enc_tokens, dec_tokens, enc_pairs, dec_pairs,

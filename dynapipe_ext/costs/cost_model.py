@@ -234,7 +234,8 @@ class AnalyticCostModel(CostModel):
         m = self.mlp_matrices
         positions = (self.spec.max_position_embeddings * h
                      if self.spec.position_embedding_type == "learned_absolute" else 0)
-        attention, mlp = 4 * h * h / tp, m * h * f / tp   # QKV + projection; fc1 (+ gate), fc2
+        # Q + projection, K + V (grouped-query attention: one per query group); fc1 (+ gate), fc2
+        attention, mlp = (2 + 2 * self.spec.kv_share) * h * h / tp, m * h * f / tp
         attention, mlp = attention * self.tp_slot_share, mlp * self.tp_slot_share
         if kind == GPT_ATTENTION:
             return attention
@@ -309,8 +310,9 @@ class AnalyticCostModel(CostModel):
         kept_att = (4.0 * a * b * s / tp if self.fused_attention
                     else half * att_copies * a * b * s * s / tp) + biased * dt * a * b * s * s / tp
         score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
-        return LayerTerms(lin=2 * b * s * 4 * h * h / tp, att=4 * b * s * s * h / tp,
-                          kept_lin=half * ((4 + masks) * b * s * h + 8 * b * s * h / tp),
+        qkv = 2 + 2 * self.spec.kv_share     # Q + projection, and K + V of the query groups
+        return LayerTerms(lin=2 * b * s * qkv * h * h / tp, att=4 * b * s * s * h / tp,
+                          kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * h / tp),
                           kept_att=kept_att, transient=2 * score + np.zeros_like(b),
                           layer_in=dt * b * s * h)
 

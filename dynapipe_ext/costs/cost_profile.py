@@ -74,7 +74,7 @@ def profile_kinds(spec: ModelSpec) -> tuple[str, ...]:
 
 LAYER_OPTIONS = ("normalization", "layernorm_epsilon", "add_bias_linear", "gated_linear_unit",
                  "softmax_scale", "position_embedding_type", "relative_attention_num_buckets",
-                 "relative_attention_max_distance", "kv_channels")
+                 "relative_attention_max_distance", "kv_channels", "num_query_groups")
 
 
 # ModelSpec fields a profile does not depend on (tying, the pipeline cut, which vocabulary

@@ -30,7 +30,8 @@ def law_features(kind: str, spec: ModelSpec, b, s, d, tp: int = 1) -> tuple[dict
     b, s, d = (np.asarray(x, dtype=np.float64) for x in (b, s, d))
     one = np.ones(np.broadcast(b, s, d).shape)
     if kind in (GPT_LAYER, ENC_LAYER):
-        time = {"gemm_flops": 2 * b * s * (4 * h * h + 2 * h * f) / tp,
+        qkv = 2 + 2 * spec.kv_share    # Q + projection, K + V of the query groups
+        time = {"gemm_flops": 2 * b * s * (qkv * h * h + 2 * h * f) / tp,
                 "attn_flops": 4 * b * s * s * h / tp, "elem": b * s * h, "const": one}
         size = {"hidden": b * s * h, "scores": a * b * s * s / tp,
                 "mask": b * s * s, "const": one}

@@ -47,6 +47,8 @@ class ModelSpec:
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     kv_channels: int = 0                      # per-head size; 0 means hidden / heads
+    num_query_groups: int = 0                 # --num-query-groups (grouped-query attention:
+                                              # key / value heads); 0 means one per head
     # the tokenizer's vocabulary when vocab_size is padded past it (--make-vocab-size-divisible-by
     # x TP): the output layer's rows from here on belong to no token and are left out of the
     # softmax; 0 means every row is a token
@@ -75,6 +77,10 @@ class ModelSpec:
                 raise ValueError(f"pipeline_cut {self.pipeline_cut} must give every stage at "
                                  f"least one of the {2 * self.num_layers} half-layer units "
                                  f"and sum to that")
+        if self.num_query_groups < 0 or (self.num_query_groups and
+                                         self.num_attention_heads % self.num_query_groups):
+            raise ValueError(f"num_query_groups {self.num_query_groups} must be > 0 and divide "
+                             f"num_attention_heads {self.num_attention_heads}")
         if not self.kv_channels and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -86,6 +92,16 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key / value heads: the query groups, or every head without grouped-query attention."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_share(self) -> float:
+        """Key / value heads per attention head (1 without grouped-query attention)."""
+        return self.query_groups / self.num_attention_heads
 
     @property
     def total_layers(self) -> int:

@@ -67,7 +67,7 @@ COMMON = "common.pt"
 FORMAT_VERSION = 3   # 3: layout-free shards by global name; 2: per-rank files (refused)
 # Config fields that must match between the run that saved and the run that loads; the layout
 # (TP, PP, DP, world size) and the precision may differ. SHAPE_FIELDS are in every checkpoint;
-# FUNCTION_FIELDS (what changes the function without changing a tensor's shape) and the model's
+# FUNCTION_FIELDS (the layer options, recorded since they existed) and the model's
 # vocabulary (VOCAB_FIELD: tokens with a row of their own, before padding) are compared when the
 # checkpoint records them (those written before they were recorded do not).
 SHAPE_FIELDS = ("model", "num_layers", "decoder_num_layers", "hidden_size",
@@ -75,7 +75,7 @@ SHAPE_FIELDS = ("model", "num_layers", "decoder_num_layers", "hidden_size",
 FUNCTION_FIELDS = ("untie_embeddings_and_output_weights", "normalization", "norm_epsilon",
                    "add_bias_linear", "gated_linear_unit", "softmax_scale", "kv_channels",
                    "position_embedding_type", "relative_attention_num_buckets",
-                   "relative_attention_max_distance")
+                   "relative_attention_max_distance", "num_query_groups")
 VOCAB_FIELD = "vocab_size"
 FLAG_NAMES = {"model": "the model (pretrain_gpt.py / pretrain_t5.py)",
               "add_bias_linear": "--disable-bias-linear (add_bias_linear)",

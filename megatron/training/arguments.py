@@ -140,6 +140,8 @@ class TrainConfig:
     relative_attention_num_buckets: int
     relative_attention_max_distance: int
     kv_channels: int  # --kv-channels; 0: hidden / heads
+    group_query_attention: bool  # --group-query-attention
+    num_query_groups: int  # --num-query-groups; without GQA: num_attention_heads
     vocab_extra_ids: int | None  # T5SentencePieceTokenizer sentinels (None: 100)
     make_vocab_size_divisible_by: int  # padded vocabulary: this x TP
     pipeline_split: str  # --pipeline-split: even, balanced, or units
@@ -217,6 +219,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.num_attention_heads % max(cfg.tensor_model_parallel_size, 1) == 0,
          f"--num-attention-heads {cfg.num_attention_heads} is not divisible by "
          f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size}")
+    problems += query_group_problems(cfg)
     need(cfg.ffn_hidden_size % max(cfg.tensor_model_parallel_size, 1) == 0,
          f"--ffn-hidden-size {cfg.ffn_hidden_size} is not divisible by "
          f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size}")
@@ -343,6 +346,30 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.p2p_latency_us is None or cfg.p2p_bandwidth_gbps is not None,
          "--p2p-latency-us needs --p2p-bandwidth-gbps")
     return problems + flextp_problems(cfg)
+
+
+def query_group_problems(cfg: TrainConfig) -> list[str]:
+    """What --group-query-attention / --num-query-groups cannot do (empty when fine):
+    Megatron's rules (heads divisible by groups, groups by TP) and GPT only."""
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
+    tp = cfg.tensor_model_parallel_size
+    if not cfg.group_query_attention:
+        return [] if groups == heads else [
+            f"--num-query-groups {groups} needs --group-query-attention (without it every "
+            f"one of the {heads} heads has its own key and value)"]
+    if groups < 1:
+        return [f"--num-query-groups must be > 0, got {groups}"]
+    problems = []
+    if cfg.model != "gpt":
+        problems.append("--group-query-attention is GPT only: megatron-core's T5 "
+                        "cross-attention does not support grouped-query attention")
+    if heads % groups:
+        problems.append(f"--num-attention-heads {heads} is not divisible by "
+                        f"--num-query-groups {groups}")
+    if tp > 0 and groups % tp:
+        problems.append(f"--num-query-groups {groups} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    return problems
 
 
 def choice_problems(cfg: TrainConfig) -> list[str]:
@@ -591,6 +618,12 @@ FLAGS: tuple[Flag, ...] = (
             help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0"),
     declare(MODEL, "--kv-channels", field=None, type=int, default=None,
             help="per-head size; default hidden size / heads (FLAN-T5-small: 64)"),
+    declare(MODEL, "--group-query-attention", action="store_true",
+            help="grouped-query attention: the heads share key and value heads, one per "
+                 "query group (GPT only: megatron-core's T5 cross-attention has none)"),
+    declare(MODEL, "--num-query-groups", field=None, type=int, default=None,
+            help="query groups with --group-query-attention, default 1; must divide "
+                 "--num-attention-heads and be divisible by --tensor-model-parallel-size"),
     declare(MODEL, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
             validated_by="ModelSpec",
             default="learned_absolute",
@@ -872,8 +905,9 @@ def default_cost_model(has_cuda: bool) -> str:
 # error naming the flag rather than silently replaced by the default.
 FLAGS_WITH_DEFAULTS = ("num_layers", "encoder_num_layers", "decoder_num_layers", "seq_length",
                        "encoder_seq_length", "decoder_seq_length", "max_position_embeddings",
-                       "ffn_hidden_size", "kv_channels", "tokens_per_global_batch",
-                       "global_batch_size", "distributed_timeout_minutes", "lr_wsd_decay_iters")
+                       "ffn_hidden_size", "kv_channels", "num_query_groups",
+                       "tokens_per_global_batch", "global_batch_size",
+                       "distributed_timeout_minutes", "lr_wsd_decay_iters")
 
 
 def given(value, default):
@@ -922,6 +956,9 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
         num_layers, decoder_layers = args.num_layers, 0
         seq_length = given(args.seq_length, given(args.encoder_seq_length, 512))
         dec_length = 0
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError(f"--num-query-groups {args.num_query_groups} needs "
+                          f"--group-query-attention")
     tokens = given(args.tokens_per_global_batch, 4096)
     if args.global_batch_size is not None:   # N samples: a token budget they always fit in
         tokens = args.global_batch_size * (seq_length + dec_length)
@@ -932,6 +969,8 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
         max_position_embeddings=given(args.max_position_embeddings,
                                       max(seq_length, dec_length)),
         kv_channels=given(args.kv_channels, 0),
+        num_query_groups=(given(args.num_query_groups, 1) if args.group_query_attention
+                          else args.num_attention_heads),
         distributed_timeout_minutes=given(args.distributed_timeout_minutes,
                                           30.0 if has_cuda else 2.0),
         tokens_per_global_batch=tokens, global_batch_size=given(args.global_batch_size, 0),

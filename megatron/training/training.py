@@ -247,7 +247,8 @@ def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
                      position_embedding_type=cfg.position_embedding_type,
                      relative_attention_num_buckets=cfg.relative_attention_num_buckets,
                      relative_attention_max_distance=cfg.relative_attention_max_distance,
-                     kv_channels=cfg.kv_channels)
+                     kv_channels=cfg.kv_channels,
+                     num_query_groups=cfg.num_query_groups if cfg.group_query_attention else 0)
 
 
 def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
