@@ -53,6 +53,7 @@ from megatron.flextp.run_summary import (FACTOR, balance_changes, final_loss,  #
                                          final_partition, held_out_loss, iteration_records,
                                          mean_seconds, render_loss_table, render_table,
                                          summarize, summarize_losses)
+from megatron.training.arguments import add_flag_group  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 
 SLOWDOWN = f"1:{FACTOR}"
@@ -306,7 +307,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50, help="training iterations per run")
     p.add_argument("--skip", type=int, default=15, help="warm-up iterations left out of times")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, choices=(1, 2))
+    add_flag_group(p, "parallel", ["pipeline_model_parallel_size"], title="",
+                   pipeline_model_parallel_size=dict(default=1, choices=(1, 2)))
     p.add_argument("--straggler", choices=("synthetic", "taskset"), default="synthetic")
     p.add_argument("--loss-seeds", type=int, default=0,
                    help="the loss study over this many seeds (from --seed) instead of timing")
