@@ -155,13 +155,27 @@ def test_slot_capacity_ffn_units_and_stage_figures():
     assert capacity(32, 2, 1.0) == 16 and capacity(6, 2, 1.2) == 3     # never below even
     assert default_ffn_unit(128, 2) == 4 and default_ffn_unit(96, 2) == 3
     assert default_ffn_unit(40, 2) == 2          # 10 units per rank where 16 do not divide
-    # rows: (pp rank, tp rank, seconds, work, tokens); pipeline rank 0 has two replicas
-    table = torch.tensor([[0, 0, 1.0, 10.0, 5], [0, 1, 1.0, 10.0, 5],
-                          [0, 0, 1.0, 10.0, 5], [0, 1, 4.0, 10.0, 5],
-                          [1, 0, 9.0, 1.0, 5], [1, 1, 1.0, 1.0, 5]], dtype=torch.float64)
-    # per TP rank the slowest replica of this stage; the other stage's figures stay out
-    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0])
-    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0])
+    # rows: (pp rank, tp rank, seconds, work, tokens, all-reduce seconds); pipeline rank 0
+    # has two replicas
+    table = torch.tensor([[0, 0, 1.0, 10.0, 5, 0.5], [0, 1, 1.0, 10.0, 5, 0.1],
+                          [0, 0, 1.0, 10.0, 5, 0.6], [0, 1, 4.0, 10.0, 5, 0.2],
+                          [1, 0, 9.0, 1.0, 5, 0.0], [1, 1, 1.0, 1.0, 5, 3.0]],
+                         dtype=torch.float64)
+    # per TP rank the slowest replica of this stage (its all-reduce seconds with it); the
+    # other stage's figures stay out
+    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0], [0.5, 0.2])
+    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0], [0.0, 3.0])
+
+
+def test_outside_seconds_only_for_stragglers_slowed_outside_the_pairs():
+    from megatron.flextp.stage_balance import outside_seconds
+    # a rank slowed only in its pairs: the healthy rank waits exactly the difference
+    assert outside_seconds([1.0, 2.0], [1.5, 0.5], {1}) == (0.0, 0.0)
+    # slowed as a whole: it also arrives 0.3 s later than its pair time says
+    assert outside_seconds([1.0, 2.0], [1.8, 0.5], {1}) == pytest.approx((0.0, 0.3))
+    # no straggler, or a straggler that looks faster outside: nothing
+    assert outside_seconds([1.0, 2.0], [1.8, 0.5], set()) == (0.0, 0.0)
+    assert outside_seconds([1.0, 2.0], [1.0, 0.5], {1}) == (0.0, 0.0)
 
 
 def test_validation_computes_every_unit_then_resizing_resumes():
@@ -315,3 +329,27 @@ def test_bf16_migration_from_an_uneven_start_trains_like_even_tp(sp_dataset):  #
         assert r["losses"] == pytest.approx(losses, rel=1e-3)
         assert r["history"][0]["counts"] == {"attn": [3, 1], "mlp": [22, 10]}
         assert r["history"][-1]["counts"] == {"attn": [2, 2], "mlp": [16, 16]}
+
+
+def test_a_pair_times_its_forward_all_reduce_apart_from_its_compute():
+    import time
+
+    import torch
+    from dynapipe_ext.flextp.partition import even_partition
+    from megatron.flextp.stage_layers import FlexPair
+
+    def slow_reduce(t):
+        time.sleep(0.02)
+        return t * 2
+
+    pair = FlexPair("mlp", even_partition(8, 2), 0, 6, 4, 4, 16)
+    x = torch.ones(3, 16)
+    pair.start(x)
+    out = pair.synced(x, slow_reduce)
+    assert torch.equal(out, 2 * x) and pair.sync_seconds >= 0.02
+    assert pair.seconds == 0.0            # the all-reduce is not TP compute
+    pair.reset_timer()
+    assert pair.sync_seconds == 0.0
+    modelled = FlexPair("mlp", even_partition(8, 2), 0, 6, 4, 4, 16, modelled=True)
+    modelled.synced(x, slow_reduce)
+    assert modelled.sync_seconds == 0.0   # modelled compute: no measured waits beside it

@@ -146,3 +146,22 @@ def test_proportional_counts_respect_a_capacity():
     assert proportional_counts(8, (1.0, 0.1), max_units=5) == (5, 3)
     with pytest.raises(ValueError, match="between 1 and 3"):
         proportional_counts(8, (1.0, 1.0), max_units=3)
+
+
+def test_a_rank_slowed_as_a_whole_gets_fewer_units():
+    """offsets: a straggler's time outside the balanced units (in unit times) counts in every
+    rank time, so it gets fewer units and skips more than its unit speed alone says."""
+    assert proportional_counts(32, (1.0, 0.5), offsets=(0.0, 8.0)) == (24, 8)   # 24 = 8/0.5 + 8
+    assert proportional_counts(32, (1.0, 0.5), max_units=20, offsets=(0.0, 8.0)) == (20, 12)
+    assert drop_counts((16, 16), (1.0, 0.8), 0.5) == (0, 4)
+    assert drop_counts((16, 16), (1.0, 0.8), 0.5, offsets=(0.0, 2.0)) == (0, 5)
+    even = (16, 16)
+    m = decide("migrate", even, (1.0, 0.5), 100, COSTS, offsets=(0.0, 8.0))
+    assert m.counts == (24, 8)
+    capped = BalanceCosts(unit_seconds=0.01, bytes_per_unit=1e6, bandwidth=1e9, max_units=20)
+    assert decide("migrate", even, (1.0, 0.5), 100, capped, offsets=(0.0, 8.0)).counts == (20, 12)
+    # the cost comparison counts the offsets: keeping even costs 16/0.5 + 8 unit times per step
+    semi = decide("semi", even, (1.0, 0.5), 100, COSTS, offsets=(0.0, 8.0))
+    assert semi.costs["keep"] == pytest.approx(100 * 40 * 0.01)
+    with pytest.raises(ValueError, match="offsets"):
+        proportional_counts(32, (1.0, 0.5), offsets=(0.0,))

@@ -72,10 +72,15 @@ def slot_capacity(num_units: int, tp: int, max_share: float = MAX_SHARE) -> int:
 
 
 def proportional_counts(num_units: int, speeds, min_units: int = 1,
-                        max_units: int | None = None) -> tuple[int, ...]:
+                        max_units: int | None = None, offsets=None) -> tuple[int, ...]:
     """Units per rank, each rank in [min_units, max_units], that minimise the slowest rank's
-    time (units / speed): each unit goes where it finishes first (ties: the lower rank)."""
+    time (units / speed + offset): each unit goes where it finishes first (ties: the lower
+    rank). `offsets` (default 0): each rank's time outside these units, in units of one unit's
+    time at full speed (a rank slowed as a whole is slower in its replicated work too)."""
     speeds = [float(s) for s in speeds]
+    offsets = [0.0] * len(speeds) if offsets is None else [float(o) for o in offsets]
+    if len(offsets) != len(speeds):
+        raise ValueError(f"proportional_counts: {len(offsets)} offsets vs {len(speeds)} speeds")
     if not speeds or any(s <= 0 for s in speeds):
         raise ValueError(f"proportional_counts: speeds must be positive, got {speeds}")
     top = num_units if max_units is None else max_units
@@ -85,7 +90,7 @@ def proportional_counts(num_units: int, speeds, min_units: int = 1,
     counts = [min_units] * len(speeds)
     for _ in range(num_units - min_units * len(speeds)):
         room = [i for i in range(len(speeds)) if counts[i] < top]
-        r = min(room, key=lambda i: ((counts[i] + 1) / speeds[i], i))
+        r = min(room, key=lambda i: ((counts[i] + 1) / speeds[i] + offsets[i], i))
         counts[r] += 1
     return tuple(counts)
 

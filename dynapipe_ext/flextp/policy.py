@@ -8,6 +8,9 @@ last (as long as it has lasted so far, at least `min_horizon` iterations):
 - migrate: transfer_s(moved units) + H * t(proportional counts), transfer_s from bytes per
            unit (weights, fp32 master, both Adam moments) over the measured link bandwidth.
 Migration needs a gain of `min_gain` of the step time (no moves for noise).
+Every step time counts each rank's `offsets` too: its time outside the units being balanced
+(norms, residuals, embedding, loss), which a rank slowed as a whole (another process on its
+core) spends slower as well; the straggler then gets fewer units than its unit speed says.
 Short or mild imbalance thus resizes; lasting or heavy imbalance migrates, and migrates back
 once the ranks are even again and the cost of staying uneven outgrows the transfer."""
 from __future__ import annotations
@@ -38,6 +41,7 @@ class BalanceCosts:
     max_fraction: float = 0.25   # resize bound
     min_horizon: int = 20        # iterations
     min_gain: float = 0.05       # migrate only for at least this share off the step time
+    max_units: int | None = None  # slot capacity: the most units one rank may hold
 
 
 def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
@@ -91,25 +95,32 @@ def parse_speeds(text: str | None, tp: int) -> tuple[float, ...] | None:
     return speeds
 
 
-def step_time(counts, drops, speeds, unit_seconds: float) -> float:
-    return max((c - d) * unit_seconds / s for c, d, s in zip(counts, drops, speeds))
+def step_time(counts, drops, speeds, unit_seconds: float, offsets=None) -> float:
+    """The slowest rank's time: (units computed / speed + offset) x unit_seconds."""
+    offsets = (0.0,) * len(counts) if offsets is None else offsets
+    return max(((c - d) / s + o) * unit_seconds
+               for c, d, s, o in zip(counts, drops, speeds, offsets))
 
 
-def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts) -> Decision:
+def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts,
+           offsets=None) -> Decision:
     """The decision for one interval given the current units per rank, the relative speeds
-    (fastest 1) and how many iterations the current straggler set has lasted."""
+    (fastest 1), how many iterations the current straggler set has lasted and each rank's
+    time outside the units (`offsets`, in units of one unit's time at full speed; None: 0)."""
     if mode not in MODES:
         raise ValueError(f"--tp-balance: unknown mode {mode!r}, expected one of {MODES}")
     counts = tuple(counts)
     none = (0,) * len(counts)
+    offsets = (0.0,) * len(counts) if offsets is None else tuple(offsets)
     keep = Decision("keep", counts, none, {})
     if mode == "off":
         return keep
-    target = proportional_counts(sum(counts), speeds)
-    if (step_time(target, none, speeds, 1.0)
-            > (1 - costs.min_gain) * step_time(counts, none, speeds, 1.0)):
+    target = proportional_counts(sum(counts), speeds, max_units=costs.max_units,
+                                 offsets=offsets)
+    if (step_time(target, none, speeds, 1.0, offsets)
+            > (1 - costs.min_gain) * step_time(counts, none, speeds, 1.0, offsets)):
         target = counts      # a unit or so of noise in the speeds: not worth a move
-    drops = drop_counts(counts, speeds, costs.max_fraction)
+    drops = drop_counts(counts, speeds, costs.max_fraction, offsets)
     resize = Decision("resize", counts, drops, {}) if any(drops) else keep
     migrate = Decision("migrate", target, none, {}) if target != counts else keep
     if mode == "resize":
@@ -121,10 +132,11 @@ def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts) -> Decis
     moved = sum(max(0, c - t) for c, t in zip(counts, target))
     transfer = moved * costs.bytes_per_unit / costs.bandwidth + (costs.latency if moved else 0)
     predicted = {
-        "keep": horizon * step_time(counts, none, speeds, costs.unit_seconds),
-        "resize": horizon * (step_time(counts, drops, speeds, costs.unit_seconds)
+        "keep": horizon * step_time(counts, none, speeds, costs.unit_seconds, offsets),
+        "resize": horizon * (step_time(counts, drops, speeds, costs.unit_seconds, offsets)
                              + costs.accuracy_weight * sum(drops) / sum(counts) * t_even),
-        "migrate": transfer + horizon * step_time(target, none, speeds, costs.unit_seconds),
+        "migrate": transfer + horizon * step_time(target, none, speeds, costs.unit_seconds,
+                                                  offsets),
     }
     best = min(("keep", keep), ("resize", resize), ("migrate", migrate),
                key=lambda kv: (predicted[kv[0]], kv[0] != "keep"))[1]

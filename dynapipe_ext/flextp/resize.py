@@ -18,14 +18,17 @@ def max_drops(count: int, max_fraction: float) -> int:
     return min(int(math.floor(max_fraction * count + 1e-9)), count - 1)
 
 
-def drop_counts(counts, speeds, max_fraction: float) -> tuple[int, ...]:
+def drop_counts(counts, speeds, max_fraction: float, offsets=None) -> tuple[int, ...]:
     """Units each rank should skip so that no rank needs longer than the quickest one
-    (time_r = units_r / speed_r), within the bound."""
-    if len(counts) != len(speeds):
-        raise ValueError(f"drop_counts: {len(counts)} counts vs {len(speeds)} speeds")
-    target = min(c / s for c, s in zip(counts, speeds))
-    return tuple(min(max(0, math.ceil(c - target * s - 1e-9)), max_drops(c, max_fraction))
-                 for c, s in zip(counts, speeds))
+    (time_r = units_r / speed_r + offset_r, offsets as in partition.proportional_counts),
+    within the bound."""
+    offsets = (0.0,) * len(counts) if offsets is None else tuple(offsets)
+    if not len(counts) == len(speeds) == len(offsets):
+        raise ValueError(f"drop_counts: {len(counts)} counts vs {len(speeds)} speeds vs "
+                         f"{len(offsets)} offsets")
+    target = min(c / s + o for c, s, o in zip(counts, speeds, offsets))
+    return tuple(min(max(0, math.ceil(c - (target - o) * s - 1e-9)), max_drops(c, max_fraction))
+                 for c, s, o in zip(counts, speeds, offsets))
 
 
 SKIP_ORDERS = ("rotate", "sticky")      # --flextp-skip-order

@@ -3,7 +3,12 @@ decide and apply at iteration boundaries, composed with PP, DP and dynamic micro
 
 Each iteration every rank reports the TP compute seconds and work its FlexPairs measured
 (megatron/flextp/stage_layers.py; work = tokens x units x MACs, so variable micro-batch shapes
-compare) in one float64 all-reduce over the whole world. A pipeline stage's decision uses the
+compare) and the seconds of their forward all-reduces, in one float64 all-reduce over the whole
+world. Between two all-reduces every TP rank of a layer spans the same wall time, pair compute
++ other compute + waiting, so pair seconds + all-reduce seconds differ between ranks by the
+other compute's difference: a straggler slowed as a whole (another process on its core) takes
+that much longer in its norms, residuals and the rest outside the pairs, and the policies then
+give it fewer units than its pair speed alone says (`offsets`, dynapipe_ext/flextp/policy.py). A pipeline stage's decision uses the
 figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
 replicas (a slow replica holds the DP all-reduce of all of them). Every rank of a stage thus
 feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
@@ -42,16 +47,29 @@ def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
 
 
 def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
-    """Per TP rank index of pipeline rank `pp_rank`: (seconds, work) of its slowest replica.
-    `table` rows are (pp rank, tp rank, seconds, work, tokens), one per world rank."""
-    times, work = [0.0] * tp, [0.0] * tp
-    for pp, t, seconds, done, _ in table.tolist():
+    """Per TP rank index of pipeline rank `pp_rank`: (seconds, work, all-reduce seconds) of its
+    slowest replica. `table` rows are (pp rank, tp rank, seconds, work, tokens, all-reduce
+    seconds), one per world rank."""
+    times, work, syncs = [0.0] * tp, [0.0] * tp, [0.0] * tp
+    for pp, t, seconds, done, _, sync in table.tolist():
         if int(pp) != pp_rank or seconds <= 0 or done <= 0:
             continue
         t = int(t)
         if work[t] == 0 or done / seconds < work[t] / times[t]:
-            times[t], work[t] = seconds, done
-    return times, work
+            times[t], work[t], syncs[t] = seconds, done, sync
+    return times, work, syncs
+
+
+def outside_seconds(times, syncs, stragglers) -> tuple[float, ...]:
+    """Per TP rank, the seconds it spends outside the pairs beyond what the healthy ranks do
+    (0 for the healthy ones, never below 0): pair seconds + all-reduce seconds is the same
+    span less the outside compute on every rank (module docstring)."""
+    healthy = [t + s for r, (t, s) in enumerate(zip(times, syncs)) if r not in stragglers]
+    if not healthy or not stragglers:
+        return (0.0,) * len(times)
+    base = sum(healthy) / len(healthy)
+    return tuple(max(0.0, base - t - s) if r in stragglers else 0.0
+                 for r, (t, s) in enumerate(zip(times, syncs)))
 
 
 def change_line(iteration: int, pp_rank: int, record: dict) -> str:
@@ -145,21 +163,22 @@ class StageBalancer:
         """End of an iteration (after the optimizer step): share the figures, feed the detector,
         decide at interval ends. Collective over the world."""
         mine = [p for ps in self.pairs.values() for p in ps]
-        row = torch.zeros(self.layout.world_size, 5, dtype=torch.float64)
+        row = torch.zeros(self.layout.world_size, 6, dtype=torch.float64)
         row[self.layout.rank] = torch.tensor([self.layout.pp_rank, self.layout.tp_rank,
                                               sum(p.seconds for p in mine),
                                               sum(p.work for p in mine),
-                                              max((p.tokens for p in mine), default=0.0)],
+                                              max((p.tokens for p in mine), default=0.0),
+                                              sum(p.sync_seconds for p in mine)],
                                              dtype=torch.float64)
         dist.all_reduce(row)
-        times, work = stage_figures(row, self.layout.pp_rank, self.tp)
+        times, work, syncs = stage_figures(row, self.layout.pp_rank, self.tp)
         record = {"iteration": iteration, "times": times, "work": work, "action": None}
         if all(t > 0 for t in times) and all(w > 0 for w in work):
             changed = (self.observed >= self.warmup_iters
                        and self.detector.update(times, work))
             self.lasted = 0 if changed else self.lasted + 1
             self.observed += 1
-            self._interval_rows.append((times, work, float(row[self.layout.rank, 4])))
+            self._interval_rows.append((times, work, float(row[self.layout.rank, 4]), syncs))
         record["stragglers"] = sorted(self.detector.stragglers)
         if self.observed and self.observed % self.interval == 0 and self._interval_rows:
             record.update(self._decide())
@@ -178,25 +197,34 @@ class StageBalancer:
         speeds = self.detector.relative_speeds()
         fast = max(range(self.tp), key=lambda r: speeds[r])
         rows = self._interval_rows
-        sec_per_work = sum(t[fast] for t, _, _ in rows) / sum(w[fast] for _, w, _ in rows)
-        tokens = sum(n for _, _, n in rows) / len(rows)
+        sec_per_work = (sum(r[0][fast] for r in rows) / sum(r[1][fast] for r in rows))
+        tokens = sum(r[2] for r in rows) / len(rows)
+        # per iteration, per TP rank: outside seconds beyond the healthy ranks'
+        outside = outside_seconds([sum(r[0][i] for r in rows) / len(rows) for i in range(self.tp)],
+                                  [sum(r[3][i] for r in rows) / len(rows) for i in range(self.tp)],
+                                  self.detector.stragglers)
+        unit_seconds = {kind: ps[0].unit_macs() * tokens * len(ps) * sec_per_work
+                        for kind, ps in self.pairs.items() if ps}
+        all_units = sum(unit_seconds[k] * self.pairs[k][0].partition.num_units
+                        for k in unit_seconds)
         actions = {}
         for kind, ps in self.pairs.items():
             if not ps:
                 continue
             numel = sum(param.numel() // param.shape[axis] * per * halves
                         for param, axis, per, halves in ps[0].sharded())
-            costs = BalanceCosts(
-                unit_seconds=ps[0].unit_macs() * tokens * len(ps) * sec_per_work,
-                bytes_per_unit=numel * 4 * 4 * len(ps),   # weight, main, 2 moments in fp32
-                bandwidth=self.bandwidth, accuracy_weight=self.accuracy_weight,
-                max_fraction=self.max_fraction, min_horizon=self.min_horizon)
             part = ps[0].partition
             cap = ps[0].capacity
-            decision = decide(self.mode, part.counts(), speeds, self.lasted, costs)
+            costs = BalanceCosts(
+                unit_seconds=unit_seconds[kind],
+                bytes_per_unit=numel * 4 * 4 * len(ps),   # weight, main, 2 moments in fp32
+                bandwidth=self.bandwidth, accuracy_weight=self.accuracy_weight,
+                max_fraction=self.max_fraction, min_horizon=self.min_horizon, max_units=cap)
+            # each kind takes its share (by unit work) of the outside seconds, in its units
+            share = unit_seconds[kind] * part.num_units / all_units
+            offsets = tuple(o * share / unit_seconds[kind] for o in outside)
+            decision = decide(self.mode, part.counts(), speeds, self.lasted, costs, offsets)
             counts = decision.counts
-            if decision.action == "migrate" and max(counts) > cap:
-                counts = proportional_counts(part.num_units, speeds, max_units=cap)
             if decision.action == "migrate" and counts != part.counts():
                 migrate_pairs(ps, self.optimizer, rebalance(part, counts), self.group)
             rank_drops = decision.drops[self.layout.tp_rank]
@@ -207,7 +235,7 @@ class StageBalancer:
             self.skips[kind] = [min(d, max_drops(c, self.max_fraction))
                                 for d, c in zip(decision.drops, decision.counts)]
             actions[kind] = decision.action
-        return {"action": actions, "speeds": list(speeds)}
+        return {"action": actions, "speeds": list(speeds), "outside_s": list(outside)}
 
 
 def default_ffn_unit(ffn: int, tp: int) -> int:

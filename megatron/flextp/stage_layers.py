@@ -30,8 +30,10 @@ layout-free shards of the full tensors, loadable at even TP, another TP, or with
 
 Timing: each pair measures the wall time from its column input to its row all-reduce (the TP
 compute of the layer, no communication) and the work it did (tokens x units x MACs per unit),
-what the straggler detector needs; on CUDA with events, read when the balancer takes the
-figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=RANK:FACTOR
+what the straggler detector needs, and the wall time of its forward all-reduce (`sync_seconds`:
+mostly waiting for the slowest TP rank, so the differences between ranks show how much longer
+one rank spends between two all-reduces, in and outside the pairs); on CUDA with events, read
+when the balancer takes the figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=RANK:FACTOR
 (megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler);
 under FLEXTP_CLOCK=modelled the pair instead reports its work at a modelled rate divided by the
 factor, and redoes nothing (the same figures on a loaded machine).
@@ -168,14 +170,30 @@ class FlexPair:
     # timer: wall time on the CPU; on CUDA a pair of events per forward, read when the figures
     # are taken (synchronising at both ends instead would stall the host four times per layer
     # and micro-batch)
+    @staticmethod
+    def _mark(x: torch.Tensor):
+        if x.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     def start(self, x: torch.Tensor) -> None:
+        self._start = 0.0 if self.modelled else self._mark(x)
+
+    def synced(self, partial: torch.Tensor, reduce):
+        """`reduce(partial)`, the forward all-reduce, timed into sync_seconds (not under the
+        modelled clock: its compute figures are not the machine's, so neither are its waits)."""
         if self.modelled:
-            self._start = 0.0
-        elif x.device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            return reduce(partial)
+        start = self._mark(partial)
+        out = reduce(partial)
+        end = self._mark(partial)
+        if isinstance(start, float):
+            self._sync_seconds += end - start
         else:
-            self._start = time.perf_counter()
+            self._sync_spans.append((start, end))
+        return out
 
     def stop(self, partial: torch.Tensor) -> None:
         if self._start is None:
@@ -187,25 +205,37 @@ class FlexPair:
         elif isinstance(self._start, float):
             self._seconds += time.perf_counter() - self._start
         else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._spans.append((self._start, end))
+            self._spans.append((self._start, self._mark(partial)))
         self.tokens += tokens
         self.work += work
         self._start = None
 
+    @staticmethod
+    def _read(spans: list) -> float:
+        """Seconds of CUDA (start, end) event pairs (waits for the last), emptying the list."""
+        if not spans:
+            return 0.0
+        spans[-1][1].synchronize()
+        total = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        spans.clear()
+        return total
+
     @property
     def seconds(self) -> float:
         """TP compute seconds since reset_timer (on CUDA this waits for the last span)."""
-        if self._spans:
-            self._spans[-1][1].synchronize()
-            self._seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
-            self._spans.clear()
+        self._seconds += self._read(self._spans)
         return self._seconds
 
+    @property
+    def sync_seconds(self) -> float:
+        """Forward all-reduce seconds since reset_timer (0 under the modelled clock)."""
+        self._sync_seconds += self._read(self._sync_spans)
+        return self._sync_seconds
+
     def reset_timer(self) -> None:
-        self._seconds = self.work = self.tokens = 0.0
+        self._seconds = self._sync_seconds = self.work = self.tokens = 0.0
         self._spans: list = []      # CUDA (start, end) events not yet read
+        self._sync_spans: list = []
 
 
 def _select(t: torch.Tensor, axis: int, rows: int | torch.Tensor) -> torch.Tensor:
@@ -286,7 +316,7 @@ class SlotRow(torch.nn.Module):
         pair.stop(partial)
         if COMM["shapes"] is not None:
             COMM["shapes"].append((tuple(inner.shape[:-1]), tuple(partial.shape)))
-        out = reduce_from_tensor_model_parallel_region(partial)
+        out = pair.synced(partial, reduce_from_tensor_model_parallel_region)
         if self.skip_bias_add:
             return out, self.bias
         return (out if self.bias is None else out + self.bias), None
