@@ -19,6 +19,7 @@ it skipped in the interval before (--flextp-skip-order rotate)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -74,9 +75,12 @@ def outside_seconds(times, syncs, stragglers) -> tuple[float, ...]:
 
 def change_line(iteration: int, pp_rank: int, record: dict) -> str:
     """The log line of a partition or skip change (tools/bench_flextp_trainer.py parses it)."""
+    outside = ", ".join(f"{s:.4f}" for s in record.get("outside_s", ()))
     return (f"[flextp] iteration {iteration} (pipeline rank {pp_rank}): {record['action']}; "
             f"units per TP rank {record['counts']}, skipped per layer {record['skips']}; "
-            f"stragglers (TP ranks) {record['stragglers']}")
+            f"stragglers (TP ranks) {record['stragglers']}"
+            + (f"; seconds outside the pairs beyond the healthy ranks [{outside}]"
+               if outside else ""))
 
 
 class StageBalancer:
@@ -174,11 +178,13 @@ class StageBalancer:
         times, work, syncs = stage_figures(row, self.layout.pp_rank, self.tp)
         record = {"iteration": iteration, "times": times, "work": work, "action": None}
         if all(t > 0 for t in times) and all(w > 0 for w in work):
-            changed = (self.observed >= self.warmup_iters
-                       and self.detector.update(times, work))
+            warm = self.observed >= self.warmup_iters
+            changed = warm and self.detector.update(times, work)
             self.lasted = 0 if changed else self.lasted + 1
             self.observed += 1
-            self._interval_rows.append((times, work, float(row[self.layout.rank, 4]), syncs))
+            if warm:        # the first iterations' waits are start-up, not the ranks' speeds
+                self._interval_rows.append((times, work, float(row[self.layout.rank, 4]),
+                                            syncs))
         record["stragglers"] = sorted(self.detector.stragglers)
         if self.observed and self.observed % self.interval == 0 and self._interval_rows:
             record.update(self._decide())
@@ -199,10 +205,10 @@ class StageBalancer:
         rows = self._interval_rows
         sec_per_work = (sum(r[0][fast] for r in rows) / sum(r[1][fast] for r in rows))
         tokens = sum(r[2] for r in rows) / len(rows)
-        # per iteration, per TP rank: outside seconds beyond the healthy ranks'
-        outside = outside_seconds([sum(r[0][i] for r in rows) / len(rows) for i in range(self.tp)],
-                                  [sum(r[3][i] for r in rows) / len(rows) for i in range(self.tp)],
-                                  self.detector.stragglers)
+        # per TP rank, outside seconds beyond the healthy ranks': the median over the
+        # interval's iterations (one slow all-reduce must not move units)
+        per_row = [outside_seconds(r[0], r[3], self.detector.stragglers) for r in rows]
+        outside = tuple(statistics.median(o[i] for o in per_row) for i in range(self.tp))
         unit_seconds = {kind: ps[0].unit_macs() * tokens * len(ps) * sec_per_work
                         for kind, ps in self.pairs.items() if ps}
         all_units = sum(unit_seconds[k] * self.pairs[k][0].partition.num_units
