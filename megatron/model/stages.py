@@ -247,10 +247,10 @@ def relative_bias(relative: RelativePositionEmbedding, n: int) -> torch.Tensor:
     megatron-core's RelativePositionEmbedding._compute_bias(n, n), built from the 2n - 1
     relative positions. The bias depends on j - i only (a Toeplitz matrix), so the buckets and
     the table lookup run over 2n - 1 positions instead of n^2, and the table's gradient is a
-    sum along diagonals instead of an embedding backward over n^2 indices: forward + backward
-    at n = 512, 4 heads, one CPU thread, 21 ms that way (about 20 ns per element, once per
-    stack per stage call, which no cost model prices), a few ms this way
-    (tests/test_t5_relative_bias.py checks values and gradient)."""
+    sum along diagonals instead of an embedding backward over n^2 indices. Forward + backward
+    on this project's CPU (4 heads, one thread): n = 256, 4.8 ms that way, 0.7 ms this way;
+    n = 512, 17.2 vs 1.8 ms; once per stack per stage call, which no cost model prices
+    (tests/test_t5_relative_bias.py checks the values and the table's gradient)."""
     weight = relative.relative_attention_bias.weight
     positions = torch.arange(-(n - 1), n, device=weight.device)
     buckets = relative._relative_position_bucket(
