@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,14 +61,27 @@ def train(model: str, schedule: str, iters: int, out: Path, port: int,
     chosen = [line for line in done.stdout.splitlines() if "--pipeline-schedule auto:" in line]
     records = [json.loads(line) for line in stats.read_text().splitlines()
                if '"validation"' not in line]
-    return records, (chosen[0].split("auto: ", 1)[1] if chosen else "")
+    return records, (chosen[0].split("auto: ", 1)[1] if chosen else ""), busy_shares(done.stdout)
+
+
+RANK_SHARES = re.compile(r"\[train\] rank (\d+): host overhead [\d.]+% \(forward ([\d.]+)% \| "
+                         r"backward ([\d.]+)%")
+
+
+def busy_shares(log: str) -> dict[int, float]:
+    """Each rank's forward + backward share of the whole run's time, from the trainer's last
+    '[train] rank R: host overhead ...' lines."""
+    return {int(m.group(1)): (float(m.group(2)) + float(m.group(3))) / 100
+            for m in RANK_SHARES.finditer(log)}
 
 
 def predicted_ms(model: str, schedule: str, iters: int,
-                 extra: list[str]) -> tuple[list[float], list[str]]:
-    """The planner's simulated makespan and chosen schedule of each iteration, planned as the
-    run planned it (same flags, same data, 2 local ranks)."""
-    from dynapipe_ext.plan.iteration_planner import choose_auto_layout, plan_iteration
+                 extra: list[str]) -> tuple[list[float], list[str], list[list[float]]]:
+    """The planner's simulated makespan, chosen schedule and each pipeline rank's predicted
+    compute (forward + backward of its stages, ms) of each iteration, planned as the run
+    planned it (same flags, same data, 2 local ranks)."""
+    from dynapipe_ext.plan.iteration_planner import (build_cost_model, choose_auto_layout,
+                                                     pipeline_layout, plan_iteration)
     from megatron.training.arguments import parse_args
     from megatron.training.training import (given_cut, model_spec, open_training_data,
                                             planner_config)
@@ -83,12 +97,22 @@ def predicted_ms(model: str, schedule: str, iters: int,
     plan_cfg = planner_config(cfg, spec, 1)
     if cfg.pipeline_schedule == "auto":
         plan_cfg = choose_auto_layout(plan_cfg, data.batch_lengths(0))
-    times, names = [], []
+    layout = pipeline_layout(plan_cfg)
+    cost_model = build_cost_model(plan_cfg.cost_model, plan_cfg.spec, plan_cfg.tp, plan_cfg.pp)
+    times, names, per_rank = [], [], []
     for it in range(iters):
         plan = plan_iteration(it, data.batch_lengths(it), plan_cfg)
         times.append(max(plan.predicted_ms))
         names.append(plan.schedules[0])
-    return times, names
+        compute = [0.0] * plan_cfg.pp
+        for mb in plan.batch_plan.micro_batches:
+            rows, seq, dec = mb.costed_shape()
+            costs = cost_model.stage_cost_arrays([rows], [seq], [dec], len(layout),
+                                                 mb.recompute)
+            for stage, rank in enumerate(layout):
+                compute[rank] += float(costs.fwd_ms[stage, 0] + costs.bwd_ms[stage, 0])
+        per_rank.append(compute)
+    return times, names, per_rank
 
 
 def measure(models, iters: int, skip: int, rounds: int, out: Path,
@@ -99,18 +123,26 @@ def measure(models, iters: int, skip: int, rounds: int, out: Path,
     for model in models:
         for r in range(rounds):
             for schedule in SCHEDULES:
-                records, chosen = train(model, schedule, iters, out, port,
-                                        cost_flags(cost_model))
+                records, chosen, shares = train(model, schedule, iters, out, port,
+                                                cost_flags(cost_model))
                 port += 1
                 key = (model, schedule)
                 if key not in rows:
-                    predicted, names = predicted_ms(model, schedule, iters,
-                                                    cost_flags(cost_model))
+                    predicted, names, per_rank = predicted_ms(model, schedule, iters,
+                                                              cost_flags(cost_model))
                     rows[key] = {"model": model, "schedule": schedule, "auto_layout": chosen,
                                  "measured_ms": [], "predicted_ms": [], "tokens": 0,
                                  "orders": names[skip:], "per_round_median_ms": [],
-                                 "predicted_by_iteration": predicted, "busy_ms": []}
+                                 "predicted_by_iteration": predicted, "busy_ms": [],
+                                 "predicted_rank_compute_ms": [
+                                     sum(c[r] for c in per_rank) / iters
+                                     for r in range(len(per_rank[0]))],
+                                 "rank_busy_ms": []}
                 row = rows[key]
+                # each rank's forward + backward per iteration over the whole run (the
+                # trainer's shares of all its iterations, the first included, as predicted)
+                whole = sum(rec["iteration_s"] for rec in records) * 1e3 / len(records)
+                row["rank_busy_ms"].append([shares[r] * whole for r in sorted(shares)])
                 kept = [rec for rec in records if rec["iteration"] > skip]
                 measured = [1e3 * rec["iteration_s"] for rec in kept]
                 row["measured_ms"] += measured
@@ -141,13 +173,18 @@ def markdown(result: dict) -> str:
              "(W=1) into 4 virtual stages. Predicted: the planner's simulated makespan of the "
              "same iterations, " + COST_TEXT[result.get("cost_model", "analytic")] + ". "
              "Rank 0 busy: its forward + backward time per iteration (median), from the "
-             "trainer's time parts; no schedule beats its busiest rank. "
+             "trainer's time parts; no schedule beats its busiest rank. Per rank, measured "
+             "/ predicted: each rank's forward + backward ms per iteration over the whole run "
+             "(the trainer's closing per-rank shares x the mean iteration time, median of the "
+             "rounds) against the cost model's price of the stages that rank ran for the "
+             "same micro-batches (mean per iteration): where the two part, the cost model "
+             "misprices that rank's layers. "
              "The machine has 2 cores shared with other jobs (1-minute load "
              f"average {load} before, {after} after), so single runs are noisy.", "",
              "| model | schedule | tokens/s | measured ms / iteration (median; per round) | "
              "predicted ms (median) | measured / predicted (sums) | rank 0 busy ms | "
-             "orders run |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "per rank: busy ms measured / compute predicted | orders run |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in result["rows"]:
         name = r["schedule"] + (f" ({r['auto_layout'].split(' ')[0]})" if r["auto_layout"]
                                 else "")
@@ -157,9 +194,20 @@ def markdown(result: dict) -> str:
                      f"{statistics.median(r['measured_ms']):.0f} ("
                      + ", ".join(f"{m:.0f}" for m in r["per_round_median_ms"]) + ") | "
                      f"{statistics.median(r['predicted_ms']):.0f} | "
-                     f"{r['measured_over_predicted']:.2f} | {busy} | {', '.join(orders)} |")
+                     f"{r['measured_over_predicted']:.2f} | {busy} | {rank_cell(r)} | "
+                     f"{', '.join(orders)} |")
     lines += ["", noise_note(result["rows"])]
     return "\n".join(lines)
+
+
+def rank_cell(row: dict) -> str:
+    """'r0 237 / 207, r1 60 / 150': per pipeline rank, measured busy ms (median of the rounds)
+    / predicted compute ms per iteration ('-' for runs recorded without them)."""
+    measured, predicted = row.get("rank_busy_ms"), row.get("predicted_rank_compute_ms")
+    if not measured or not predicted or not all(measured):
+        return "-"
+    return ", ".join(f"r{r} {statistics.median(m[r] for m in measured):.0f} / {p:.0f}"
+                     for r, p in enumerate(predicted))
 
 
 TARGET = 0.15     # the measured / predicted criterion
