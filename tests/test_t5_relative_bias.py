@@ -1,5 +1,6 @@
-"""The T5 position bias built from relative positions (stages.relative_bias) equals
-megatron-core's RelativePositionEmbedding._compute_bias in value and in the table's gradient."""
+"""The T5 position bias built from relative positions (stages.relative_bias, a PositionBias)
+equals megatron-core's RelativePositionEmbedding._compute_bias in value and in the table's
+gradient, and its blocks are the full bias's top-left blocks."""
 import pytest
 import torch
 from megatron.core.models.common.embeddings.relative_pos_embedding import (
@@ -20,12 +21,14 @@ def test_relative_bias_equals_megatron_core(bidirectional, n):
     expected.backward(grad)
     want = rel.relative_attention_bias.weight.grad.clone()
     rel.zero_grad(set_to_none=True)
-    got = relative_bias(rel, n)
+    got = relative_bias(rel, n).block(n, n)
     assert got.shape == expected.shape == (1, 4, n, n)
     assert torch.equal(got, expected)
     got.backward(grad)
     assert torch.allclose(rel.relative_attention_bias.weight.grad, want, rtol=1e-10, atol=1e-9)
-    # the bias of a sample is the top-left block of a longer one's: shorter samples share it
-    if n > 1:
-        assert torch.equal(relative_bias(rel, n)[..., : n - 1, : n - 1],
-                           relative_bias(rel, n - 1))
+    # a batched call of shorter segments takes the top-left block, rectangular ones too
+    full = relative_bias(rel, n)
+    for lq, lk in ((1, 1), (n, 1), (1, n), (max(1, n // 2), max(1, n // 3))):
+        assert torch.equal(full.block(lq, lk), expected[..., :lq, :lk])
+    with pytest.raises(ValueError, match="PositionBias.block"):
+        full.block(n + 1, 1)

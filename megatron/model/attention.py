@@ -102,6 +102,31 @@ class Segments:
 
 
 @dataclass(frozen=True, eq=False)
+class PositionBias:
+    """A bias on the scores that depends on j - i only (T5's relative position buckets):
+    `values[h, n - 1 + j - i]` is head h's bias of key j for query i, |j - i| < n. Each use
+    takes the block it needs from `values` (`block`), so a batched call's gradient flows into
+    `values` through its own [heads, lq, lk] block; slicing one materialised [heads, n, n]
+    bias per call instead makes every call's backward fill and add a whole n x n gradient."""
+
+    values: torch.Tensor        # [heads, 2n - 1]
+    n: int
+
+    def block(self, lq: int, lk: int) -> torch.Tensor:
+        """[1, heads, lq, lk]: the bias of queries 0..lq-1 over keys 0..lk-1."""
+        if not (0 < lq <= self.n and 0 < lk <= self.n):
+            raise ValueError(f"PositionBias.block({lq}, {lk}): lengths must be in 1..{self.n}")
+        # window k of the unfold starts at values[n - lq + k]; query i needs n - 1 - i
+        window = self.values[:, self.n - lq: self.n - 1 + lk].unfold(1, lk, 1)
+        return window.flip(1).unsqueeze(0)
+
+
+def bias_block(bias, lq: int, lk: int) -> torch.Tensor:
+    """[1, heads, lq, lk] top-left block of a PositionBias or a [1, heads, sq, sk] tensor."""
+    return bias.block(lq, lk) if isinstance(bias, PositionBias) else bias[:, :, :lq, :lk]
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionMask:
     """What one attention call may see: queries laid out as `q`, keys as `k` (the same object
     for self-attention). Causality comes from the attention module's mask type. Things derived
@@ -110,7 +135,8 @@ class AttentionMask:
 
     q: Segments
     k: Segments
-    bias: torch.Tensor | None = None    # [1, heads, sq, sk] added to the scores (T5 buckets)
+    # added to the scores (T5 buckets): a PositionBias, or any [1, heads, sq, sk] tensor
+    bias: "PositionBias | torch.Tensor | None" = None
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -358,7 +384,7 @@ class SDPAttention(DotProductAttention):
         if ("dense", causal) not in mask.cache:
             mask.cache[("dense", causal)] = mask.dense(causal)
         allowed = mask.cache[("dense", causal)]
-        bias = mask.bias.to(q.dtype)
+        bias = bias_block(mask.bias, q.shape[2], k.shape[2]).to(q.dtype)
         scores = torch.where(allowed, bias, torch.tensor(float("-inf"), dtype=q.dtype,
                                                          device=q.device))
         return self._sdpa(q, k, v, scores, False)
@@ -377,7 +403,8 @@ class SDPAttention(DotProductAttention):
         than its group's shape is read on past its end, and what that adds is never seen:
         causal queries do not reach later keys, other keys are masked out, and queries past
         the end are not written back (so no gradient reaches what was read). `bias` ([1,
-        heads, n, n], positions from each sample's start) adds its top-left block."""
+        heads, n, n] tensor or a PositionBias, positions from each sample's start) adds its
+        top-left block."""
         out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
         for (lq, lk), (q_pos, k_pos, rows, written, real_k) in self._gather_indices(
                 mask, query.device).items():
@@ -388,7 +415,7 @@ class SDPAttention(DotProductAttention):
             if bias is None:
                 og = self._sdpa(qg, kg, vg, keys, causal)
             else:
-                scores = bias[:, :, :lq, :lk].to(qg.dtype)
+                scores = bias_block(bias, lq, lk).to(qg.dtype)
                 if causal:
                     later = torch.ones(lq, lk, dtype=torch.bool, device=qg.device).triu(1)
                     scores = scores.masked_fill(later, float("-inf"))

@@ -67,7 +67,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.model.attention import AttentionMask, sdpa_layer_spec, segment_bucket
+from megatron.model.attention import AttentionMask, PositionBias, sdpa_layer_spec, segment_bucket
 
 from dynapipe_ext.costs.model_spec import (
     DEC_EMBEDDING,
@@ -242,24 +242,23 @@ def _relative(config: TransformerConfig, spec: ModelSpec, bidirectional: bool):
                                      spec.relative_attention_max_distance)
 
 
-def relative_bias(relative: RelativePositionEmbedding, n: int) -> torch.Tensor:
-    """[1, heads, n, n] position bias, bias[0, h, i, j] = table[bucket(j - i), h]: the values of
-    megatron-core's RelativePositionEmbedding._compute_bias(n, n), built from the 2n - 1
-    relative positions. The bias depends on j - i only (a Toeplitz matrix), so the buckets and
-    the table lookup run over 2n - 1 positions instead of n^2, and the table's gradient is a
-    sum along diagonals instead of an embedding backward over n^2 indices. Forward + backward
-    on this project's CPU (4 heads, one thread): n = 256, 4.8 ms that way, 0.7 ms this way;
-    n = 512, 17.2 vs 1.8 ms; once per stack per stage call, which no cost model prices
-    (tests/test_t5_relative_bias.py checks the values and the table's gradient)."""
+def relative_bias(relative: RelativePositionEmbedding, n: int) -> PositionBias:
+    """The position bias of megatron-core's RelativePositionEmbedding over n positions, as a
+    PositionBias: bias[0, h, i, j] = table[bucket(j - i), h], the values of its
+    _compute_bias(n, n), from the 2n - 1 relative positions. The bias depends on j - i only,
+    so the buckets and the table lookup run over 2n - 1 positions instead of n^2, and the
+    table's gradient is a sum along diagonals instead of an embedding backward over n^2
+    indices. Forward + backward on this project's CPU (4 heads, one thread): n = 256, 4.8 ms
+    that way, 0.7 ms this way; n = 512, 17.2 vs 1.8 ms; once per stack per stage call, which no
+    cost model prices (tests/test_t5_relative_bias.py checks the values and the table's
+    gradient)."""
     weight = relative.relative_attention_bias.weight
     positions = torch.arange(-(n - 1), n, device=weight.device)
     buckets = relative._relative_position_bucket(
         positions, bidirectional=relative.bidirectional,
         num_buckets=relative.relative_attention_num_buckets,
         max_distance=relative.relative_attention_max_distance)
-    values = relative.relative_attention_bias(buckets).t()      # [heads, 2n - 1]
-    # window k of the unfold is values[:, k : k + n]; row i needs k = n - 1 - i
-    return values.unfold(1, n, 1).flip(1).unsqueeze(0)
+    return PositionBias(relative.relative_attention_bias(buckets).t(), n)   # [heads, 2n - 1]
 
 
 def _self_mask(segments, relative) -> AttentionMask:
