@@ -182,9 +182,8 @@ class StageBalancer:
             changed = warm and self.detector.update(times, work)
             self.lasted = 0 if changed else self.lasted + 1
             self.observed += 1
-            if warm:        # the first iterations' waits are start-up, not the ranks' speeds
-                self._interval_rows.append((times, work, float(row[self.layout.rank, 4]),
-                                            syncs))
+            self._interval_rows.append((times, work, float(row[self.layout.rank, 4]), syncs,
+                                        warm))
         record["stragglers"] = sorted(self.detector.stragglers)
         if self.observed and self.observed % self.interval == 0 and self._interval_rows:
             record.update(self._decide())
@@ -206,9 +205,11 @@ class StageBalancer:
         sec_per_work = (sum(r[0][fast] for r in rows) / sum(r[1][fast] for r in rows))
         tokens = sum(r[2] for r in rows) / len(rows)
         # per TP rank, outside seconds beyond the healthy ranks': the median over the
-        # interval's iterations (one slow all-reduce must not move units)
-        per_row = [outside_seconds(r[0], r[3], self.detector.stragglers) for r in rows]
-        outside = tuple(statistics.median(o[i] for o in per_row) for i in range(self.tp))
+        # interval's iterations after the warm-up (one slow all-reduce must not move units;
+        # the first iterations' waits are start-up, not the ranks' speeds)
+        per_row = [outside_seconds(r[0], r[3], self.detector.stragglers) for r in rows if r[4]]
+        outside = tuple(statistics.median(o[i] for o in per_row) if per_row else 0.0
+                        for i in range(self.tp))
         unit_seconds = {kind: ps[0].unit_macs() * tokens * len(ps) * sec_per_work
                         for kind, ps in self.pairs.items() if ps}
         all_units = sum(unit_seconds[k] * self.pairs[k][0].partition.num_units
