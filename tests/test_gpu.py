@@ -273,8 +273,9 @@ def test_device_probe_and_calibration_on_the_gpu(monkeypatch):
 @pytest.mark.gpu
 @needs_gpu
 def test_flextp_slot_timer_uses_cuda_events_without_synchronising(monkeypatch):
-    """On CUDA a FlexTP slot pair times its compute with events: no torch.cuda.synchronize
-    during the forwards; the seconds read afterwards are positive and within the wall time."""
+    """On CUDA a FlexTP slot pair times its compute and its forward all-reduce with events: no
+    torch.cuda.synchronize during the forwards; the seconds read afterwards are positive (the
+    all-reduce's at least 0) and within the wall time."""
     import time
 
     from tests.multiproc import single_process_world
@@ -295,8 +296,10 @@ def test_flextp_slot_timer_uses_cuda_events_without_synchronising(monkeypatch):
             _slot_forward(pair, x)
         assert syncs == []
         seconds = pair.seconds                      # waits for the last span here
+        synced = pair.sync_seconds
         wall = time.perf_counter() - start
         assert 0 < seconds <= wall and pair.tokens == 3 * 64
+        assert 0 <= synced <= wall and seconds + synced <= wall
 
 
 def unit_times_worker(rank, world_size):

@@ -8,8 +8,8 @@ world. Between two all-reduces every TP rank of a layer spans the same wall time
 + other compute + waiting, so pair seconds + all-reduce seconds differ between ranks by the
 other compute's difference: a straggler slowed as a whole (another process on its core) takes
 that much longer in its norms, residuals and the rest outside the pairs, and the policies then
-give it fewer units than its pair speed alone says (`offsets`, dynapipe_ext/flextp/policy.py). A pipeline stage's decision uses the
-figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
+give it fewer units than its pair speed alone says (`offsets`, dynapipe_ext/flextp/policy.py).
+A pipeline stage's decision uses the figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
 replicas (a slow replica holds the DP all-reduce of all of them). Every rank of a stage thus
 feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
 decision; the replicas of a stage keep one partition, so their gradients still add up slot by
@@ -202,7 +202,7 @@ class StageBalancer:
         speeds = self.detector.relative_speeds()
         fast = max(range(self.tp), key=lambda r: speeds[r])
         rows = self._interval_rows
-        sec_per_work = (sum(r[0][fast] for r in rows) / sum(r[1][fast] for r in rows))
+        sec_per_work = sum(r[0][fast] for r in rows) / sum(r[1][fast] for r in rows)
         tokens = sum(r[2] for r in rows) / len(rows)
         # per TP rank, outside seconds beyond the healthy ranks': the median over the
         # interval's iterations after the warm-up (one slow all-reduce must not move units;

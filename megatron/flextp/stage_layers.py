@@ -33,8 +33,8 @@ compute of the layer, no communication) and the work it did (tokens x units x MA
 what the straggler detector needs, and the wall time of its forward all-reduce (`sync_seconds`:
 mostly waiting for the slowest TP rank, so the differences between ranks show how much longer
 one rank spends between two all-reduces, in and outside the pairs); on CUDA with events, read
-when the balancer takes the figures (one wait per iteration, not a synchronize per layer). FLEXTP_SLOWDOWN=RANK:FACTOR
-(megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler);
+when the balancer takes the figures (one wait per iteration, not a synchronize per layer).
+FLEXTP_SLOWDOWN=RANK:FACTOR (megatron/flextp/layers.py) makes TP rank RANK redo its slot GEMMs (a reproducible straggler);
 under FLEXTP_CLOCK=modelled the pair instead reports its work at a modelled rate divided by the
 factor, and redoes nothing (the same figures on a loaded machine).
 GPT only (T5 is refused by the configuration check).
