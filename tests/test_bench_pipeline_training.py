@@ -31,3 +31,14 @@ def test_per_rank_busy_beside_predicted_compute(tmp_path):
     assert "| r0 237 / 207, r1 64 / 150 |" in wave          # medians of the rounds
     old = next(line for line in out.splitlines() if "| 1f1b |" in line)
     assert "| 237 | - |" in old                             # saved without per-rank figures
+
+
+def test_per_rank_figures_leave_the_first_iteration_out():
+    """The trainer's closing shares cover the iterations after the first; so must the mean
+    iteration time they are multiplied by, and the predicted compute beside them."""
+    from megatron.bench.schedule_bench import predicted_rank_compute_ms, rank_busy_ms
+    records = [{"iteration": 1, "iteration_s": 0.9}, {"iteration": 2, "iteration_s": 0.2},
+               {"iteration": 3, "iteration_s": 0.3}]
+    assert rank_busy_ms(records, {1: 0.4, 0: 0.8}) == [200.0, 100.0]
+    assert predicted_rank_compute_ms([[500.0, 50.0], [100.0, 40.0], [200.0, 60.0]]) == \
+        [150.0, 50.0]

@@ -34,6 +34,29 @@ def test_attention_makes_time_superlinear_in_length():
     assert totals(model, 1, 2048, 0)[0] > totals(model, 8, 256, 0)[0]
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_t5_decoder_side_runs_at_the_rate_of_its_own_tokens(recompute):
+    """Small operations run below peak by the tokens they see: T5's decoder layers, decoder
+    embedding and output layer at the decoder's b * d tokens, the cross-attention's keys and
+    values and the encoder side at the encoder's b * s (a 2 x 512 / 32 micro-batch's decoder
+    runs 64 tokens, not 1024)."""
+    half, b, s, d = 64.0, 2.0, 512.0, 32.0
+    peak = AnalyticCostModel(T5, half_rate_tokens=0, layer_overhead_ms=0)
+    slow = AnalyticCostModel(T5, half_rate_tokens=half, layer_overhead_ms=0)
+    enc, dec = (b * s + half) / (b * s), (b * d + half) / (b * d)
+    # stage 0: the encoder side alone (embedding, 4 encoder layers, its final norm)
+    cut = [peak.stage_costs(b, s, d, 2, recompute), slow.stage_costs(b, s, d, 2, recompute)]
+    assert cut[1][0].fwd_ms == pytest.approx(cut[0][0].fwd_ms * enc)
+    assert cut[1][0].bwd_ms == pytest.approx(cut[0][0].bwd_ms * enc)
+    # stage 1: the decoder side; the encoder's final norm and the cross-attention's K and V
+    # run over the encoder's tokens
+    h = T5.hidden_size
+    kv = (T5.num_decoder_layers * 2 * b * s * 2 * h * h + 2 * b * s * h) * 1e3 / peak.device_flops
+    kv_bwd = kv * 2 + (kv - 2 * b * s * h * 1e3 / peak.device_flops) * (recompute == "full")
+    assert cut[1][1].fwd_ms == pytest.approx((cut[0][1].fwd_ms - kv) * dec + kv * enc)
+    assert cut[1][1].bwd_ms == pytest.approx((cut[0][1].bwd_ms - kv_bwd) * dec + kv_bwd * enc)
+
+
 @pytest.mark.parametrize("spec", [GPT, T5])
 def test_recompute_trades_time_for_memory(spec):
     model = AnalyticCostModel(spec)

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
-from megatron.bench.schedule_bench import MODELS, SCHEDULES, run_argv  # noqa: E402
+from megatron.bench.schedule_bench import (  # noqa: E402
+    MODELS, SCHEDULES, predicted_rank_compute_ms, rank_busy_ms, run_argv)
 
 
 PROFILE_DIR = REPO / "runs" / "bench_pipeline_training" / "profiles"
@@ -134,15 +135,11 @@ def measure(models, iters: int, skip: int, rounds: int, out: Path,
                                  "measured_ms": [], "predicted_ms": [], "tokens": 0,
                                  "orders": names[skip:], "per_round_median_ms": [],
                                  "predicted_by_iteration": predicted, "busy_ms": [],
-                                 "predicted_rank_compute_ms": [
-                                     sum(c[r] for c in per_rank) / iters
-                                     for r in range(len(per_rank[0]))],
+                                 "predicted_rank_compute_ms":
+                                     predicted_rank_compute_ms(per_rank),
                                  "rank_busy_ms": []}
                 row = rows[key]
-                # each rank's forward + backward per iteration over the whole run (the
-                # trainer's shares of all its iterations, the first included, as predicted)
-                whole = sum(rec["iteration_s"] for rec in records) * 1e3 / len(records)
-                row["rank_busy_ms"].append([shares[r] * whole for r in sorted(shares)])
+                row["rank_busy_ms"].append(rank_busy_ms(records, shares))
                 kept = [rec for rec in records if rec["iteration"] > skip]
                 measured = [1e3 * rec["iteration_s"] for rec in kept]
                 row["measured_ms"] += measured
@@ -174,10 +171,10 @@ def markdown(result: dict) -> str:
              "same iterations, " + COST_TEXT[result.get("cost_model", "analytic")] + ". "
              "Rank 0 busy: its forward + backward time per iteration (median), from the "
              "trainer's time parts; no schedule beats its busiest rank. Per rank, measured "
-             "/ predicted: each rank's forward + backward ms per iteration over the whole run "
+             "/ predicted: each rank's forward + backward ms per iteration after the first "
              "(the trainer's closing per-rank shares x the mean iteration time, median of the "
              "rounds) against the cost model's price of the stages that rank ran for the "
-             "same micro-batches (mean per iteration): where the two part, the cost model "
+             "same micro-batches (mean per iteration after the first): where the two part, the cost model "
              "misprices that rank's layers. "
              "The machine has 2 cores shared with other jobs (1-minute load "
              f"average {load} before, {after} after), so single runs are noisy.", "",

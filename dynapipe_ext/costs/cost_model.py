@@ -363,9 +363,6 @@ class AnalyticCostModel(CostModel):
                                   self.max_dec_seq_len)
         stages = self.spec.stage_layers(num_stages)
         out = np.zeros((4, num_stages) + b.shape)
-        # small micro-batches run below peak: rate = peak * tokens / (tokens + half_rate_tokens)
-        tokens = np.maximum(b * np.maximum(s, d), 1.0)
-        per_ms = 1e3 / self.device_flops * (tokens + self.half_rate_tokens) / tokens
         per_kind = {kind: self._layer_cost(kind, b, s, d, recompute)
                     for kind in {k for kinds in stages for k in kinds}}
         for k, kinds in enumerate(stages):
@@ -373,9 +370,10 @@ class AnalyticCostModel(CostModel):
             for kind in dict.fromkeys(kinds):
                 count = kinds.count(kind)
                 fwd, extra, kept, transient = per_kind[kind]
+                fwd_ms, bwd_ms = self._layer_ms(kind, fwd, extra, b, s, d, recompute)
                 over = self.layer_overhead_ms * LAYER_UNITS.get(kind, 0.0)
-                out[0, k] += count * (fwd * per_ms + over)
-                out[1, k] += count * ((2 * fwd + extra) * per_ms + 2 * over)
+                out[0, k] += count * (fwd_ms + over)
+                out[1, k] += count * (bwd_ms + 2 * over)
                 out[2, k] += count * kept
                 np.maximum(out[3, k], transient, out=out[3, k])
             if has_dec and recompute == "full":
@@ -388,6 +386,31 @@ class AnalyticCostModel(CostModel):
             for part, host_ms in enumerate(self.host_ms_per_layer):
                 np.maximum(out[part, k], units * host_ms, out=out[part, k])
         return StageCostArrays(out[0], out[1], out[2], out[3], feasible)
+
+    def _ms_per_flop(self, tokens):
+        """ms per flop of an operation over `tokens` tokens: small ones run below peak, at
+        device_flops * tokens / (tokens + half_rate_tokens)."""
+        tokens = np.maximum(tokens, 1.0)
+        return 1e3 / self.device_flops * (tokens + self.half_rate_tokens) / tokens
+
+    def _layer_ms(self, kind: str, fwd, extra, b, s, d, recompute: str):
+        """(forward ms, backward ms) of one layer kind from its flops, each part at the rate of
+        the tokens it runs over: T5's decoder side (decoder embedding, decoder layers, output
+        layer) over the decoder's b * d tokens, except the cross-attention's keys and values,
+        which run over the encoder's b * s tokens like the encoder side. Backward is 2 x
+        forward plus the recomputed part."""
+        enc = self._ms_per_flop(b * s)
+        decoder_side = self.spec.model == "t5" and kind in (DEC_EMBEDDING, DEC_LAYER, HEAD)
+        if not decoder_side:
+            return fwd * enc, (2 * fwd + extra) * enc
+        dec = self._ms_per_flop(b * d)
+        if kind != DEC_LAYER:
+            return fwd * dec, (2 * fwd + extra) * dec
+        h, tp = self.spec.hidden_size, self.tp
+        kv = 2 * b * s * 2 * h * h / tp      # cross-attention K and V (_cross_attention_terms)
+        kv_extra = kv if recompute == "full" else 0.0
+        return ((fwd - kv) * dec + kv * enc,
+                (2 * (fwd - kv) + extra - kv_extra) * dec + (2 * kv + kv_extra) * enc)
 
     def _hidden_bytes(self, kinds, b, s, d):
         """Bytes of the new hidden state a stage of these layer kinds hands on."""

@@ -29,3 +29,22 @@ COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batching", "dynamic",
 def run_argv(model: str, schedule: str, iters: int, stats: Path) -> list[str]:
     return (DATA + MODELS[model] + COMMON + SCHEDULES[schedule]
             + ["--train-iters", str(iters), "--stats-file", str(stats)])
+
+
+def rank_busy_ms(records: list[dict], shares: dict[int, float]) -> list[float]:
+    """Each rank's forward + backward ms per iteration after the first, in rank order: its
+    share of the run (the trainer's closing '[train] rank R:' line, which leaves the first
+    iteration out) times the mean time of the iterations after the first (the first pays
+    one-time costs: on the T5 run about 2.5x a later iteration)."""
+    later = [rec["iteration_s"] for rec in records if rec["iteration"] > 1]
+    if not later:
+        raise ValueError("rank_busy_ms: the run has no iteration after the first")
+    whole = 1e3 * sum(later) / len(later)
+    return [shares[r] * whole for r in sorted(shares)]
+
+
+def predicted_rank_compute_ms(per_iteration: list[list[float]]) -> list[float]:
+    """Each rank's predicted forward + backward ms per iteration after the first (as
+    rank_busy_ms measures it), from one list of per-rank ms per iteration."""
+    later = per_iteration[1:] or per_iteration
+    return [sum(it[r] for it in later) / len(later) for r in range(len(per_iteration[0]))]
