@@ -482,18 +482,9 @@ class SDPAttention(DotProductAttention):
         return mask.cache[key]
 
 
-def _to(value, device):
-    """A host tensor (or a tuple of them, or None) on `device`, copied without waiting."""
-    if value is None:
-        return None
-    if isinstance(value, tuple):
-        return tuple(_to(t, device) for t in value)
-    return value.to(device, non_blocking=True)
-
-
 def _from_numpy(array, device):
     """A numpy array (or None) as a tensor on `device`, copied without waiting."""
-    return None if array is None else _to(torch.from_numpy(array), device)
+    return None if array is None else torch.from_numpy(array).to(device, non_blocking=True)
 
 
 def _padded_positions(starts, lengths, width: int, seq_len: int):
