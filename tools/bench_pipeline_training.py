@@ -174,8 +174,8 @@ def markdown(result: dict) -> str:
              "/ predicted: each rank's forward + backward ms per iteration after the first "
              "(the trainer's closing per-rank shares x the mean iteration time, median of the "
              "rounds) against the cost model's price of the stages that rank ran for the "
-             "same micro-batches (mean per iteration after the first): where the two part, the cost model "
-             "misprices that rank's layers. "
+             "same micro-batches (mean per iteration after the first): where the two part, "
+             "the cost model misprices that rank's layers. "
              "The machine has 2 cores shared with other jobs (1-minute load "
              f"average {load} before, {after} after), so single runs are noisy.", "",
              "| model | schedule | tokens/s | measured ms / iteration (median; per round) | "
