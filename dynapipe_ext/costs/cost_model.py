@@ -343,12 +343,17 @@ class AnalyticCostModel(CostModel):
         kept_att = (4.0 * a * b * d / tp if self.fused_attention
                     else half * att_copies * a * b * s * d / tp)
         score = 0.0 if self.fused_attention else dt * a * b * s * d / tp
-        return LayerTerms(lin=2 * b * d * 2 * h * h / tp + 2 * b * s * 2 * h * h / tp,
+        return LayerTerms(lin=2 * b * d * 2 * h * h / tp + self._cross_kv_flops(b, s),
                           att=4 * b * s * d * h / tp,
                           kept_lin=half * ((4 + masks) * b * d * h
                                            + (4 * b * d * h + 4 * b * s * h) / tp),
                           kept_att=kept_att + np.zeros_like(b),
                           transient=2 * score + np.zeros_like(b), layer_in=dt * b * d * h)
+
+    def _cross_kv_flops(self, b, s):
+        """Forward flops of a T5 cross-attention's key and value projections, over the
+        encoder's b * s tokens."""
+        return 2 * b * s * 2 * self.spec.hidden_size ** 2 / self.tp
 
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:
@@ -406,8 +411,7 @@ class AnalyticCostModel(CostModel):
         dec = self._ms_per_flop(b * d)
         if kind != DEC_LAYER:
             return fwd * dec, (2 * fwd + extra) * dec
-        h, tp = self.spec.hidden_size, self.tp
-        kv = 2 * b * s * 2 * h * h / tp      # cross-attention K and V (_cross_attention_terms)
+        kv = self._cross_kv_flops(b, s)
         kv_extra = kv if recompute == "full" else 0.0
         return ((fwd - kv) * dec + kv * enc,
                 (2 * (fwd - kv) + extra - kv_extra) * dec + (2 * kv + kv_extra) * enc)
