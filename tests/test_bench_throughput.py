@@ -33,6 +33,23 @@ def test_speedups_are_taken_within_one_model_and_length():
     assert [r.get("speedup_vs_packing") for r in rows] == [1.0, 2.5, 1.0, 4.0, None]
 
 
+def test_the_table_compares_with_the_fastest_packing_row():
+    from dynapipe_ext.report.throughput import add_ratios, ratio_text
+    rows = [{"model": "gpt", "max_len": 512, "strategy": "packing", "tokens_per_s": 100.0},
+            {"model": "gpt", "max_len": 512, "strategy": "packing+segment-attn",
+             "tokens_per_s": 200.0},
+            {"model": "gpt", "max_len": 512, "strategy": "dynamic", "tokens_per_s": 250.0},
+            {"model": "gpt", "max_len": 1024, "strategy": "packing+segment-attn",
+             "tokens_per_s": 80.0},
+            {"model": "gpt", "max_len": 1024, "strategy": "dynamic", "tokens_per_s": 60.0}]
+    add_ratios(rows)
+    assert [r.get("speedup_vs_best_packing") for r in rows] == [0.5, 1.0, 1.25, 1.0, 0.75]
+    assert rows[2]["speedup_vs_packing"] == 2.5 and "speedup_vs_packing" not in rows[4]
+    assert ratio_text(rows[2]) == "1.25x (packing+segment-attn)"
+    assert ratio_text(rows[3]) == "1.00x"
+    assert ratio_text({"strategy": "dynamic"}) == "n/a (no packing row)"
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_data")
