@@ -155,6 +155,10 @@ def test_a_rank_slowed_as_a_whole_gets_fewer_units():
     assert proportional_counts(32, (1.0, 0.5), max_units=20, offsets=(0.0, 8.0)) == (20, 12)
     assert drop_counts((16, 16), (1.0, 0.8), 0.5) == (0, 4)
     assert drop_counts((16, 16), (1.0, 0.8), 0.5, offsets=(0.0, 2.0)) == (0, 5)
+    # migrated to the capacity and left the longest: the healthy rank still computes all
+    # its units (24 > 8 / 0.5 + 2), and resize gives the same answer
+    assert drop_counts((24, 8), (1.0, 0.5), 0.25, offsets=(0.0, 2.0)) == (0, 0)
+    assert decide("resize", (24, 8), (1.0, 0.5), 100, COSTS, offsets=(0.0, 2.0)).drops == (0, 0)
     even = (16, 16)
     m = decide("migrate", even, (1.0, 0.5), 100, COSTS, offsets=(0.0, 8.0))
     assert m.counts == (24, 8)

@@ -21,14 +21,17 @@ def max_drops(count: int, max_fraction: float) -> int:
 def drop_counts(counts, speeds, max_fraction: float, offsets=None) -> tuple[int, ...]:
     """Units each rank should skip so that no rank needs longer than the quickest one
     (time_r = units_r / speed_r + offset_r, offsets as in partition.proportional_counts),
-    within the bound."""
+    within the bound. Only a rank slower than the fastest skips: resizing trades a straggler's
+    training for time; a healthy rank left the longest time after a migration to the slot
+    capacity (or by noise in the measured offsets) keeps all its units."""
     offsets = (0.0,) * len(counts) if offsets is None else tuple(offsets)
     if not len(counts) == len(speeds) == len(offsets):
         raise ValueError(f"drop_counts: {len(counts)} counts vs {len(speeds)} speeds vs "
                          f"{len(offsets)} offsets")
     target = min(c / s + o for c, s, o in zip(counts, speeds, offsets))
+    fastest = max(speeds)
     return tuple(min(max(0, math.ceil(c - (target - o) * s - 1e-9)), max_drops(c, max_fraction))
-                 for c, s, o in zip(counts, speeds, offsets))
+                 if s < fastest else 0 for c, s, o in zip(counts, speeds, offsets))
 
 
 SKIP_ORDERS = ("rotate", "sticky")      # --flextp-skip-order
