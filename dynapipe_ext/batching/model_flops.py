@@ -28,7 +28,7 @@ def _per_token_linear(spec: ModelSpec) -> tuple[float, float, float]:
     """Forward FLOPs per token of (a self-attention layer's linears, a decoder layer's extra
     cross-attention linears on decoder tokens, the cross-attention K and V per encoder
     token); the MLP is in the first."""
-    h, f, p = spec.hidden_size, spec.ffn_size, spec.num_attention_heads * spec.head_dim
+    h, f, p = spec.hidden_size, spec.ffn_size, spec.attention_width
     kv = spec.query_groups * spec.head_dim     # K and V: one head per query group
     mlp = (3 if spec.gated_linear_unit else 2) * h * f
     return 2.0 * (h * p + 2 * h * kv + p * h + mlp), 2.0 * (2 * h * p), 2.0 * (2 * h * kv)
@@ -38,7 +38,7 @@ def _forward_flops(spec: ModelSpec, enc_tokens, dec_tokens, enc_pairs, dec_pairs
                    cross_pairs):
     """Forward FLOPs from token counts and attention pair counts (arrays or floats)."""
     layer, cross_q_out, cross_kv = _per_token_linear(spec)
-    p = spec.num_attention_heads * spec.head_dim
+    p = spec.attention_width
     head = 2.0 * spec.hidden_size * spec.vocab_size
     if spec.model == "gpt":
         return spec.num_layers * (layer * enc_tokens + 4.0 * p * enc_pairs) + head * enc_tokens

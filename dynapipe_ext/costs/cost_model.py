@@ -234,8 +234,10 @@ class AnalyticCostModel(CostModel):
         m = self.mlp_matrices
         positions = (self.spec.max_position_embeddings * h
                      if self.spec.position_embedding_type == "learned_absolute" else 0)
-        # Q + projection, K + V (grouped-query attention: one per query group); fc1 (+ gate), fc2
-        attention, mlp = (2 + 2 * self.spec.kv_share) * h * h / tp, m * h * f / tp
+        # Q + projection, K + V (grouped-query attention: one per query group), each h x the
+        # attention width; fc1 (+ gate), fc2
+        p = self.spec.attention_width
+        attention, mlp = (2 + 2 * self.spec.kv_share) * h * p / tp, m * h * f / tp
         attention, mlp = attention * self.tp_slot_share, mlp * self.tp_slot_share
         if kind == GPT_ATTENTION:
             return attention
@@ -300,9 +302,11 @@ class AnalyticCostModel(CostModel):
     def _attention_terms(self, b, s) -> "LayerTerms":
         """Input norm, self-attention (QKV, core, projection) and residual add over length s.
         Kept (Korthikanti et al.'s attention block): norm input and QKV input (+ mask) per
-        rank, Q, K, V and the projection input split by TP, and the core's own tensors."""
+        rank, Q, K, V and the projection input split by TP, and the core's own tensors. Q, K,
+        V, the core and the projection input are as wide as spec.attention_width."""
         h, a, tp, dt = (self.spec.hidden_size, self.spec.num_attention_heads, self.tp,
                         self.dtype_bytes)
+        p = self.spec.attention_width
         half, masks, att_copies = self._kept_units()
         # T5 relative buckets: self-attention gets a float [b, heads, q, q] score bias (one SDPA
         # call with that mask, attention.SDPAttention._biased), kept for backward
@@ -311,8 +315,8 @@ class AnalyticCostModel(CostModel):
                     else half * att_copies * a * b * s * s / tp) + biased * dt * a * b * s * s / tp
         score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
         qkv = 2 + 2 * self.spec.kv_share     # Q + projection, and K + V of the query groups
-        return LayerTerms(lin=2 * b * s * qkv * h * h / tp, att=4 * b * s * s * h / tp,
-                          kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * h / tp),
+        return LayerTerms(lin=2 * b * s * qkv * h * p / tp, att=4 * b * s * s * p / tp,
+                          kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * p / tp),
                           kept_att=kept_att, transient=2 * score + np.zeros_like(b),
                           layer_in=dt * b * s * h)
 
@@ -339,21 +343,22 @@ class AnalyticCostModel(CostModel):
         Q and the projection input over d, K and V over s, split by TP; the core's tensors."""
         h, a, tp, dt = (self.spec.hidden_size, self.spec.num_attention_heads, self.tp,
                         self.dtype_bytes)
+        p = self.spec.attention_width
         half, masks, att_copies = self._kept_units()
         kept_att = (4.0 * a * b * d / tp if self.fused_attention
                     else half * att_copies * a * b * s * d / tp)
         score = 0.0 if self.fused_attention else dt * a * b * s * d / tp
-        return LayerTerms(lin=2 * b * d * 2 * h * h / tp + self._cross_kv_flops(b, s),
-                          att=4 * b * s * d * h / tp,
+        return LayerTerms(lin=2 * b * d * 2 * h * p / tp + self._cross_kv_flops(b, s),
+                          att=4 * b * s * d * p / tp,
                           kept_lin=half * ((4 + masks) * b * d * h
-                                           + (4 * b * d * h + 4 * b * s * h) / tp),
+                                           + (4 * b * d * p + 4 * b * s * p) / tp),
                           kept_att=kept_att + np.zeros_like(b),
                           transient=2 * score + np.zeros_like(b), layer_in=dt * b * d * h)
 
     def _cross_kv_flops(self, b, s):
         """Forward flops of a T5 cross-attention's key and value projections, over the
         encoder's b * s tokens."""
-        return 2 * b * s * 2 * self.spec.hidden_size ** 2 / self.tp
+        return 2 * b * s * 2 * self.spec.hidden_size * self.spec.attention_width / self.tp
 
     def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
                           recompute: str = "none") -> StageCostArrays:

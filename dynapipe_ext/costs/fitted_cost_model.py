@@ -27,17 +27,18 @@ def law_features(kind: str, spec: ModelSpec, b, s, d, tp: int = 1) -> tuple[dict
     tensors, mask-like (per-row s^2) tensors and a constant. TP splits GEMMs, attention and
     score tensors; per-token tensors count in full on every rank (an upper bound)."""
     h, f, a, v = spec.hidden_size, spec.ffn_size, spec.num_attention_heads, spec.vocab_size
+    p = spec.attention_width        # Q, K, V and the core (h unless --kv-channels says else)
     b, s, d = (np.asarray(x, dtype=np.float64) for x in (b, s, d))
     one = np.ones(np.broadcast(b, s, d).shape)
     if kind in (GPT_LAYER, ENC_LAYER):
         qkv = 2 + 2 * spec.kv_share    # Q + projection, K + V of the query groups
-        time = {"gemm_flops": 2 * b * s * (qkv * h * h + 2 * h * f) / tp,
-                "attn_flops": 4 * b * s * s * h / tp, "elem": b * s * h, "const": one}
+        time = {"gemm_flops": 2 * b * s * (qkv * h * p + 2 * h * f) / tp,
+                "attn_flops": 4 * b * s * s * p / tp, "elem": b * s * h, "const": one}
         size = {"hidden": b * s * h, "scores": a * b * s * s / tp,
                 "mask": b * s * s, "const": one}
     elif kind == DEC_LAYER:
-        time = {"gemm_flops": (2 * b * d * (6 * h * h + 2 * h * f) + 4 * b * s * h * h) / tp,
-                "attn_flops": 4 * b * (d * d + s * d) * h / tp, "elem": b * d * h,
+        time = {"gemm_flops": (2 * b * d * (6 * h * p + 2 * h * f) + 4 * b * s * h * p) / tp,
+                "attn_flops": 4 * b * (d * d + s * d) * p / tp, "elem": b * d * h,
                 "const": one}
         size = {"hidden": b * d * h, "enc_hidden": b * s * h,
                 "scores": a * b * (d * d + s * d) / tp, "mask": b * (d * d + s * d),

@@ -94,6 +94,13 @@ class ModelSpec:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def attention_width(self) -> int:
+        """Width of the queries, of the attention core's output and of the output
+        projection's input: heads x head size (the hidden size unless --kv-channels says
+        otherwise, as in T5 v1.1 / FLAN-T5)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
     def query_groups(self) -> int:
         """Key / value heads: the query groups, or every head without grouped-query attention."""
         return self.num_query_groups or self.num_attention_heads
