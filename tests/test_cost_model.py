@@ -475,7 +475,8 @@ def test_layer_linear_flops_are_the_model_flops_count(options):
     """The analytic model's linear flops of a layer equal model_flops' count (the MFU
     numerator) for every attention width: --kv-channels 8 at 8 heads makes Q, K, V, the core
     and the projection a quarter of hidden 256 wide (T5 v1.1's d_kv works so), GQA shrinks K
-    and V; the attention core's flops scale with the width too."""
+    and V; the attention core's flops scale with the width too, and causal attention (GPT,
+    T5's decoder) counts half the pairs (a query and its earlier keys)."""
     from dynapipe_ext.batching.model_flops import _per_token_linear
     b, s, d = np.array([2.0]), np.array([96.0]), np.array([40.0])
     gpt = ModelSpec("gpt", num_layers=2, hidden_size=256, num_attention_heads=8,
@@ -483,7 +484,8 @@ def test_layer_linear_flops_are_the_model_flops_count(options):
     layer, cross_q_out, cross_kv = _per_token_linear(gpt)
     terms = AnalyticCostModel(gpt, tp=2)._layer_terms("gpt_layer", b, s, d)
     assert terms.lin[0] == pytest.approx(layer * 2 * 96 / 2)
-    assert terms.att[0] == pytest.approx(4 * 2 * 96 * 96 * gpt.attention_width / 2)
+    # causal: the pairs of a query and its earlier keys, as model_flops counts them
+    assert terms.att[0] == pytest.approx(4 * 2 * (96 * 97 / 2) * gpt.attention_width / 2)
     if "num_query_groups" in options:
         return                      # T5 has no grouped-query attention
     t5 = ModelSpec("t5", num_layers=1, num_decoder_layers=1, hidden_size=256,
@@ -491,7 +493,9 @@ def test_layer_linear_flops_are_the_model_flops_count(options):
     layer, cross_q_out, cross_kv = _per_token_linear(t5)
     dec = AnalyticCostModel(t5)._layer_terms("dec_layer", b, s, d)
     assert dec.lin[0] == pytest.approx((layer + cross_q_out) * 2 * 40 + cross_kv * 2 * 96)
-    assert dec.att[0] == pytest.approx(4 * 2 * (40 * 40 + 96 * 40) * t5.attention_width)
+    assert dec.att[0] == pytest.approx(4 * 2 * (40 * 41 / 2 + 96 * 40) * t5.attention_width)
+    enc = AnalyticCostModel(t5)._layer_terms("enc_layer", b, s, d)       # bidirectional
+    assert enc.att[0] == pytest.approx(4 * 2 * 96 * 96 * t5.attention_width)
     narrow = AnalyticCostModel(t5).layer_params("dec_layer")
     assert (narrow < AnalyticCostModel(dataclasses.replace(t5, kv_channels=0))
             .layer_params("dec_layer")) == (t5.attention_width < 256)

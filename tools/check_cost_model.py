@@ -10,6 +10,12 @@ Takes pretrain_gpt.py / pretrain_t5.py's model flags, plus --shapes ROWSxSEQ[xDE
         --num-attention-heads 4 --encoder-seq-length 4096 --decoder-seq-length 1024 \\
         --vocab-size 2048 --shapes 1x4096x1024,4x1024x256,16x256x64 --output check.json
 
+--streams T1,T2,... also times packed token streams of about T tokens (the layout of
+dynamic micro-batches and of packing): FLAN-like samples (dynapipe_ext/batching/synthetic.py)
+one after another, attention per sample, priced as the planners price them
+(microbatch.packed_cost_shape). Their shape error is how well the model's size dependence
+(half_rate_tokens) holds for the micro-batch sizes the planners choose between.
+
 Absolute rates differ between models (the analytic one assumes a nominal CPU rate), and a
 planner only compares shapes with each other, so besides the plain error the table gives the
 error after one best scale factor per model ("shape error"): what misleads a planner.
@@ -52,14 +58,25 @@ def parse(argv=None):
         if action.dest in ("data_path", "train_iters"):
             action.required = False
     g = parser.add_argument_group("check")
-    g.add_argument("--shapes", type=shape_list, required=True)
+    g.add_argument("--shapes", type=shape_list, default=[],
+                   help="full-row shapes ROWSxSEQ[xDEC], comma-separated")
+    g.add_argument("--streams", type=lambda t: [int(x) for x in t.split(",")], default=[],
+                   help="packed streams of about this many (encoder) tokens, comma-separated")
+    g.add_argument("--stream-draws", type=int, default=3,
+                   help="streams per --streams size, each of other samples")
     g.add_argument("--vocab-size", type=int, default=2048)
     g.add_argument("--repeats", type=int, default=3, help="timed runs per shape (least)")
+    g.add_argument("--analytic-only", action="store_true",
+                   help="check the analytic model only (no profile is made or read)")
     g.add_argument("--output", type=Path, default=None, help="JSON file for the results")
     g.add_argument("--measured", type=Path, default=None,
                    help="take the measured times of these shapes from an earlier --output "
                         "(to re-check a changed cost model without timing again)")
     args = parser.parse_args((argv if argv is not None else sys.argv[1:])[1:])
+    if not args.shapes and not args.streams:
+        parser.error("give --shapes and / or --streams")
+    if any(t < 8 for t in args.streams):
+        parser.error(f"--streams {args.streams}: every stream needs at least 8 tokens")
     args.data_path = args.data_path or ["unused"]
     args.train_iters = 1 if args.train_iters is None else args.train_iters
     if args.cost_model in (None, "analytic"):     # the profile is what it checks
@@ -88,6 +105,43 @@ def synthetic_micro_batch(model: str, rows: int, seq: int, dec: int, vocab: int,
     return build_micro_batch(mb, samples, model, pad_id=0)
 
 
+def stream_micro_batch(model: str, tokens: int, max_len: int, max_dec: int, vocab: int,
+                       seed: int):
+    """(tensors, packed cost shape, samples) of one packed stream of about `tokens` (encoder)
+    tokens: FLAN-like samples in draw order, each that still fits, to within 8 tokens of the
+    target or the end of the draw; the length rounded up to 8 as the planners align streams."""
+    import numpy as np
+
+    from dynapipe_ext.batching.microbatch import MicroBatch, packed_cost_shape
+    from dynapipe_ext.batching.synthetic import global_batch
+    from megatron.model.batch_tensors import build_micro_batch
+    drawn = np.asarray(global_batch(model, 4 * tokens + 4 * max_len, max_len, max_dec, seed))
+    lengths = drawn.reshape(len(drawn), -1)
+    ids, total = [], 0
+    for i, n in enumerate(lengths[:, 0]):
+        if total + n <= tokens:
+            ids.append(i)
+            total += int(n)
+        if total > tokens - 8:
+            break
+    enc = lengths[ids, 0]
+    seq = -(-total // 8) * 8
+    dec_total = int(lengths[ids, 1].sum()) if model == "t5" else 0
+    dec = -(-dec_total // 8) * 8
+    rng = np.random.default_rng(seed)
+    ints = lambda n: rng.integers(1, vocab, int(n))   # noqa: E731
+    if model == "gpt":
+        samples = {i: (ints(n), ints(n), np.ones(int(n), np.float32))
+                   for i, n in zip(ids, enc)}
+    else:
+        samples = {i: (ints(lengths[i, 0]), ints(lengths[i, 1]), ints(lengths[i, 1]),
+                       np.ones(int(lengths[i, 1]), np.float32)) for i in ids}
+    mb = MicroBatch((tuple(ids),), seq, dec)
+    shape = packed_cost_shape(seq, float(np.sum(enc.astype(np.float64) ** 2)), dec)
+    return build_micro_batch(mb, samples, model, pad_id=0), tuple(float(x) for x in shape), \
+        len(ids)
+
+
 def main(argv=None) -> dict:
     cfg, args = parse(argv)
     import torch
@@ -109,7 +163,8 @@ def main(argv=None) -> dict:
     setup_model_parallel(1, 1, seed=cfg.seed, vocab_size=spec.vocab_size,
                          num_attention_heads=spec.num_attention_heads)
     try:
-        device_costs.ensure_cost_profile(cfg, spec, 0, device)
+        if not args.analytic_only:
+            device_costs.ensure_cost_profile(cfg, spec, 0, device)
         config = build_transformer_config(spec, 1, 1, "bfloat16" if cfg.bf16 else "float32",
                                           fused=False)
         stages = build_rank_stages(spec, (0,), 0, config)
@@ -130,11 +185,23 @@ def main(argv=None) -> dict:
                          "measured_cpu_ms": cpu})
             print(f"{r}x{s}" + (f"x{d}" if d else "") + f": wall {wall:.1f} ms, "
                   f"CPU {cpu:.1f} ms", file=sys.stderr, flush=True)
+        for target, draw in ((t, k) for t in args.streams for k in range(args.stream_draws)):
+            batch, shape, count = stream_micro_batch(
+                cfg.model, target, cfg.seq_length, cfg.decoder_seq_length or 0,
+                spec.vocab_size, cfg.seed + draw)
+            wall, cpu = time_stage(stage, batch, args.repeats, device)
+            rows.append({"stream_tokens": target, "samples": count, "rows": shape[0],
+                         "seq_len": shape[1], "dec_seq_len": shape[2],
+                         "measured_wall_ms": wall, "measured_cpu_ms": cpu})
+            print(f"stream of {target} tokens ({count} samples): wall {wall:.1f} ms, "
+                  f"CPU {cpu:.1f} ms, {cpu / target * 1e3:.0f} us per token", file=sys.stderr,
+                  flush=True)
     finally:
         teardown_model_parallel()
     analytic_cfg = _with(cfg, cost_model="analytic", cost_model_cache_dir=None)
-    models = {"analytic": device_costs.cost_model_source(analytic_cfg, 1, spec=spec),
-              "profile": device_costs.cost_model_source(cfg, 1, spec=spec)}
+    models = {"analytic": device_costs.cost_model_source(analytic_cfg, 1, spec=spec)}
+    if not args.analytic_only:
+        models["profile"] = device_costs.cost_model_source(cfg, 1, spec=spec)
     for name, source in models.items():
         model = build_cost_model(source, spec, 1, 1)
         for row in rows:
@@ -142,9 +209,10 @@ def main(argv=None) -> dict:
             row[f"{name}_ms"] = None if cost is None else cost[0].fwd_ms + cost[0].bwd_ms
     summary = {name: errors(rows, f"{name}_ms") for name in models}
     result = {"model": cfg.model, "spec": spec.__dict__, "device": device_name(device),
-              "repeats": args.repeats, "profile": str(models["profile"].path),
+              "repeats": args.repeats,
+              "profile": str(models["profile"].path) if "profile" in models else None,
               "shapes": rows, "summary": summary}
-    print(table(rows, summary))
+    print(table(rows, summary, list(models)))
     if args.output:
         args.output.write_text(json.dumps(result, indent=1))
     return result
@@ -172,16 +240,18 @@ def errors(rows: list[dict], key: str, measured: str = "measured_cpu_ms") -> dic
             "max_shape_error_pct": shaped[-1]}
 
 
-def table(rows: list[dict], summary: dict) -> str:
+def table(rows: list[dict], summary: dict, names=("analytic", "profile")) -> str:
     """Markdown table of the shapes and the summary lines."""
-    lines = ["| shape (rows x enc [x dec]) | measured CPU ms | measured wall ms | analytic ms "
-             "| analytic shape err | profile ms | profile shape err |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape (rows x enc [x dec]) | measured CPU ms | measured wall ms | "
+             + " | ".join(f"{n} ms | {n} shape err" for n in names) + " |",
+             "|---|---:|---:|" + "---:|---:|" * len(names)]
     for r in rows:
-        shape = f"{r['rows']} x {r['seq_len']}" + (f" x {r['dec_seq_len']}"
-                                                   if r["dec_seq_len"] else "")
+        shape = (f"stream of {r['stream_tokens']} ({r['samples']} samples)"
+                 if "stream_tokens" in r else
+                 f"{r['rows']} x {r['seq_len']}" + (f" x {r['dec_seq_len']}"
+                                                    if r["dec_seq_len"] else ""))
         cells = [shape, f"{r['measured_cpu_ms']:,.0f}", f"{r['measured_wall_ms']:,.0f}"]
-        for name in ("analytic", "profile"):
+        for name in names:
             value = r.get(f"{name}_ms")
             cells += ([f"{value:,.0f}", f"{r[name + '_shape_error_pct']:+.0f}%"] if value
                       else ["infeasible", ""])

@@ -284,9 +284,10 @@ class AnalyticCostModel(CostModel):
         self-attention, cross-attention and MLP parts; GPT_ATTENTION / GPT_MLP are the halves
         alone (each its own checkpoint unit with its own input)."""
         if kind == DEC_LAYER:
-            return self._attention_terms(b, d).plus(self._cross_attention_terms(b, s, d)).plus(
-                self._mlp_terms(b, d))
-        attention, mlp = self._attention_terms(b, s), self._mlp_terms(b, s)
+            return self._attention_terms(b, d, causal=True).plus(
+                self._cross_attention_terms(b, s, d)).plus(self._mlp_terms(b, d))
+        attention = self._attention_terms(b, s, causal=self.spec.model == "gpt")
+        mlp = self._mlp_terms(b, s)
         if kind == GPT_ATTENTION:
             return attention
         if kind == GPT_MLP:
@@ -299,8 +300,13 @@ class AnalyticCostModel(CostModel):
         masks = 1.0 if self.dropout else 0.0
         return self.dtype_bytes / 2.0, masks, (5.0 if self.dropout else 2.0)
 
-    def _attention_terms(self, b, s) -> "LayerTerms":
+    def _attention_terms(self, b, s, causal: bool = False) -> "LayerTerms":
         """Input norm, self-attention (QKV, core, projection) and residual add over length s.
+        Causal attention (GPT, T5's decoder) computes the s (s + 1) / 2 pairs of a query and
+        its earlier keys: the fused kernels skip the blocks above the diagonal (flash and
+        FlexAttention on GPU, SDPA per length group on CPU), so its core flops are about half
+        a bidirectional one's (measured on packed CPU streams: tools/check_cost_model.py
+        --streams).
         Kept (Korthikanti et al.'s attention block): norm input and QKV input (+ mask) per
         rank, Q, K, V and the projection input split by TP, and the core's own tensors. Q, K,
         V, the core and the projection input are as wide as spec.attention_width."""
@@ -315,7 +321,8 @@ class AnalyticCostModel(CostModel):
                     else half * att_copies * a * b * s * s / tp) + biased * dt * a * b * s * s / tp
         score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
         qkv = 2 + 2 * self.spec.kv_share     # Q + projection, and K + V of the query groups
-        return LayerTerms(lin=2 * b * s * qkv * h * p / tp, att=4 * b * s * s * p / tp,
+        pairs = s * (s + 1) / 2 if causal else s * s
+        return LayerTerms(lin=2 * b * s * qkv * h * p / tp, att=4 * b * pairs * p / tp,
                           kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * p / tp),
                           kept_att=kept_att, transient=2 * score + np.zeros_like(b),
                           layer_in=dt * b * s * h)
