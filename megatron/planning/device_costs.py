@@ -45,12 +45,13 @@ CPU_NOMINAL_FLOPS = 5e10          # a few cores running fp32 matmuls
 # AnalyticCostModel's half_rate_tokens (a micro-batch of that many tokens runs at half the
 # peak rate) on CPU, fitted to packed token streams of 128-8,192 FLAN-like tokens through the
 # whole GPT 4-layer / T5 2+2-layer model at hidden 256, one thread (`tools/check_cost_model.py
-# --streams`, docs/cost_model_streams_{gpt,t5}.json): 32 leaves every size's mean error after
-# one scale factor within -10%..+9% (GPT 512-8,192 tokens) and -6%..+9% (T5); the earlier 64,
-# fitted to one layer on 64-512-token rows, priced 8,192-token streams 15% (GPT) below 512-token
-# ones against what they take, so the planners cut too few, too large micro-batches. The
-# model's default (512) is a GPU's, whose kernels need far larger micro-batches.
-CPU_HALF_RATE_TOKENS = 32.0
+# --streams`, docs/cost_model_streams_{gpt,t5}.json): with 16, the error after one scale factor
+# is at most 7% (GPT) and 6% (T5) on the 512-8,192-token streams planners choose between. The
+# earlier 64, fitted to one layer on 64-512-token rows, priced 8,192-token streams 11-13% below
+# 512-token ones against what they take (up to 18% off), so the planners cut too few, too
+# large micro-batches. The model's default (512) is a GPU's, whose kernels need far larger
+# micro-batches.
+CPU_HALF_RATE_TOKENS = 16.0
 # AnalyticCostModel's host floor per transformer layer on a GPU (forward, backward ms): what
 # launching megatron-core's layer costs the host whatever the micro-batch's size. The H100
 # profile (docs/h100_profile_gpt_l16_h2048.json) times a layer at 1.6-2.2 ms forward and
