@@ -321,3 +321,26 @@ def test_check_tool_compares_both_models_with_measured_times(tmp_path):
     again = json.loads((tmp_path / "again.json").read_text())
     assert [r["measured_cpu_ms"] for r in again["shapes"]] == \
         [r["measured_cpu_ms"] for r in result["shapes"]]
+
+
+def test_check_tool_times_packed_streams_priced_by_their_samples(tmp_path):
+    """--streams: packed streams of about N tokens of FLAN-like samples (aligned to 8), priced
+    as the planners price them (microbatch.packed_cost_shape: rows x seq_len = the slots), and
+    timed; --analytic-only makes no profile."""
+    argv = ["gpt", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "512", "--max-position-embeddings", "512",
+            "--tokens-per-global-batch", "512", "--vocab-size", "128",
+            "--cost-model-cache-dir", str(tmp_path / "cache"), "--streams", "64,256",
+            "--stream-draws", "2", "--analytic-only", "--repeats", "1",
+            "--output", str(tmp_path / "streams.json")]
+    run_tool("tools/check_cost_model.py", *argv, timeout=300)
+    result = json.loads((tmp_path / "streams.json").read_text())
+    assert not (tmp_path / "cache").exists() and set(result["summary"]) == {"analytic"}
+    rows = result["shapes"]
+    assert [r["stream_tokens"] for r in rows] == [64, 64, 256, 256]
+    for r in rows:
+        slots = r["rows"] * r["seq_len"]
+        assert r["stream_tokens"] - 8 < slots <= r["stream_tokens"] + 7 and slots % 8 == 0
+        assert r["samples"] >= 1 and r["rows"] >= 1
+        assert r["measured_cpu_ms"] > 0 and r["analytic_ms"] > 0
+    assert rows[2]["analytic_ms"] > rows[0]["analytic_ms"]
