@@ -109,21 +109,30 @@ def stream_micro_batch(model: str, tokens: int, max_len: int, max_dec: int, voca
                        seed: int):
     """(tensors, packed cost shape, samples) of one packed stream of about `tokens` (encoder)
     tokens: FLAN-like samples in draw order, each that still fits, to within 8 tokens of the
-    target or the end of the draw; the length rounded up to 8 as the planners align streams."""
+    target or the end of the draw; the length rounded up to 8 as the planners align streams.
+    A draw in which no sample fits (a target below most FLAN lengths) is drawn again larger."""
     import numpy as np
 
     from dynapipe_ext.batching.microbatch import MicroBatch, packed_cost_shape
     from dynapipe_ext.batching.synthetic import global_batch
     from megatron.model.batch_tensors import build_micro_batch
-    drawn = np.asarray(global_batch(model, 4 * tokens + 4 * max_len, max_len, max_dec, seed))
-    lengths = drawn.reshape(len(drawn), -1)
-    ids, total = [], 0
-    for i, n in enumerate(lengths[:, 0]):
-        if total + n <= tokens:
-            ids.append(i)
-            total += int(n)
-        if total > tokens - 8:
+    draw = 4 * tokens + 4 * max_len
+    for _ in range(6):
+        drawn = np.asarray(global_batch(model, draw, max_len, max_dec, seed))
+        lengths = drawn.reshape(len(drawn), -1)
+        ids, total = [], 0
+        for i, n in enumerate(lengths[:, 0]):
+            if total + n <= tokens:
+                ids.append(i)
+                total += int(n)
+            if total > tokens - 8:
+                break
+        if ids:
             break
+        draw *= 4
+    else:
+        raise ValueError(f"--streams {tokens}: no FLAN-like sample of {draw} drawn tokens is "
+                         f"that short")
     enc = lengths[ids, 0]
     seq = -(-total // 8) * 8
     dec_total = int(lengths[ids, 1].sum()) if model == "t5" else 0
