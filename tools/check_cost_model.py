@@ -47,6 +47,19 @@ def shape_list(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def stream_sizes(text: str) -> list[int]:
+    """--streams 512,2048,...: stream sizes in tokens, each at least 8."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--streams {text!r}: expected comma-separated token "
+                                         f"counts, e.g. 512,2048") from None
+    if min(sizes) < 8:
+        raise argparse.ArgumentTypeError(f"--streams {text!r}: every stream needs at least 8 "
+                                         f"tokens")
+    return sizes
+
+
 def parse(argv=None):
     model = (argv if argv is not None else sys.argv[1:])[:1]
     if model not in (["gpt"], ["t5"]):
@@ -60,7 +73,7 @@ def parse(argv=None):
     g = parser.add_argument_group("check")
     g.add_argument("--shapes", type=shape_list, default=[],
                    help="full-row shapes ROWSxSEQ[xDEC], comma-separated")
-    g.add_argument("--streams", type=lambda t: [int(x) for x in t.split(",")], default=[],
+    g.add_argument("--streams", type=stream_sizes, default=[],
                    help="packed streams of about this many (encoder) tokens, comma-separated")
     g.add_argument("--stream-draws", type=int, default=3,
                    help="streams per --streams size, each of other samples")
@@ -70,13 +83,12 @@ def parse(argv=None):
                    help="check the analytic model only (no profile is made or read)")
     g.add_argument("--output", type=Path, default=None, help="JSON file for the results")
     g.add_argument("--measured", type=Path, default=None,
-                   help="take the measured times of these shapes from an earlier --output "
-                        "(to re-check a changed cost model without timing again)")
+                   help="take the measured times of these --shapes from an earlier --output "
+                        "(to re-check a changed cost model without timing again; streams are "
+                        "timed again)")
     args = parser.parse_args((argv if argv is not None else sys.argv[1:])[1:])
     if not args.shapes and not args.streams:
         parser.error("give --shapes and / or --streams")
-    if any(t < 8 for t in args.streams):
-        parser.error(f"--streams {args.streams}: every stream needs at least 8 tokens")
     args.data_path = args.data_path or ["unused"]
     args.train_iters = 1 if args.train_iters is None else args.train_iters
     if args.cost_model in (None, "analytic"):     # the profile is what it checks
