@@ -34,6 +34,21 @@ def test_attention_makes_time_superlinear_in_length():
     assert totals(model, 1, 2048, 0)[0] > totals(model, 8, 256, 0)[0]
 
 
+def test_large_micro_batches_outgrow_the_caches_where_cache_tokens_is_set():
+    """cache_tokens prices every flop of a T-token micro-batch 1 + T / cache_tokens slower
+    (on a CPU, 8,192-token streams run slower per token than 512-token ones); None leaves
+    the rate as it was."""
+    plain = AnalyticCostModel(GPT, half_rate_tokens=16, layer_overhead_ms=0)
+    cached = AnalyticCostModel(GPT, half_rate_tokens=16, cache_tokens=4096.0, layer_overhead_ms=0)
+    for b, s in [(1, 512), (4, 2048), (1, 8192)]:
+        assert totals(cached, b, s, 0)[0] == pytest.approx(
+            totals(plain, b, s, 0)[0] * (1 + b * s / 4096))
+    # per token, a large micro-batch now costs more than two halves of it
+    assert totals(cached, 1, 8192, 0)[0] > 2 * totals(cached, 1, 4096, 0)[0] * 1.3
+    with pytest.raises(ValueError, match="cache_tokens"):
+        AnalyticCostModel(GPT, cache_tokens=0)
+
+
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_t5_decoder_side_runs_at_the_rate_of_its_own_tokens(recompute):
     """Small operations run below peak by the tokens they see: T5's decoder layers, decoder

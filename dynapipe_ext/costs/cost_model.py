@@ -150,7 +150,8 @@ class AnalyticCostModel(CostModel):
     Time: linear layers ~ tokens*h^2, attention ~ rows*s^2*h (T5 cross-attention
     ~ rows*s_enc*s_dec*h), output layer ~ tokens*h*vocab, all divided by `tp` and by the
     rate device_flops * tokens / (tokens + half_rate_tokens) (small micro-batches use a
-    device poorly); backward = 2x forward, plus the recomputed forward part ('selective': the
+    device poorly) / (1 + tokens / cache_tokens) (large ones outgrow the caches: a CPU's case;
+    None, the default, leaves it out); backward = 2x forward, plus the recomputed forward part ('selective': the
     attention core, 'full': whole transformer layers). Kept activations per layer follow
     Korthikanti et al. (arXiv 2205.05198), ~ s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision
     (scaled by dtype_bytes/2) with dropout; without (`dropout=False`, how the trainer builds
@@ -190,7 +191,8 @@ class AnalyticCostModel(CostModel):
                  device_mem_bytes: float = 16 * 2**30, bytes_per_param_state: float = 16,
                  dtype_bytes: int = 4, max_seq_len: int | None = None,
                  max_dec_seq_len: int | None = None, layer_overhead_ms: float = 0.01,
-                 half_rate_tokens: float = 512.0, num_stages: int = 1,
+                 half_rate_tokens: float = 512.0, cache_tokens: float | None = None,
+                 num_stages: int = 1,
                  dropout: bool = False, full_recompute: str = "layer",
                  fused_attention: bool = True, sigmoid_gelu: bool = False,
                  host_fwd_ms_per_layer: float = 0.0, host_bwd_ms_per_layer: float = 0.0,
@@ -213,6 +215,9 @@ class AnalyticCostModel(CostModel):
         self.max_dec_seq_len = max_dec_seq_len
         self.layer_overhead_ms = layer_overhead_ms
         self.half_rate_tokens = float(half_rate_tokens)
+        if cache_tokens is not None and not cache_tokens > 0:
+            raise ValueError(f"cache_tokens must be positive or None, got {cache_tokens}")
+        self.cache_tokens = cache_tokens
         self.num_stages = num_stages
         self.dropout = dropout
         self.full_recompute = full_recompute
@@ -406,9 +411,11 @@ class AnalyticCostModel(CostModel):
 
     def _ms_per_flop(self, tokens):
         """ms per flop of an operation over `tokens` tokens: small ones run below peak, at
-        device_flops * tokens / (tokens + half_rate_tokens)."""
+        device_flops * tokens / (tokens + half_rate_tokens), large ones (with cache_tokens)
+        below that by the factor 1 + tokens / cache_tokens."""
         tokens = np.maximum(tokens, 1.0)
-        return 1e3 / self.device_flops * (tokens + self.half_rate_tokens) / tokens
+        ms = 1e3 / self.device_flops * (tokens + self.half_rate_tokens) / tokens
+        return ms if self.cache_tokens is None else ms * (1 + tokens / self.cache_tokens)
 
     def _layer_ms(self, kind: str, fwd, extra, b, s, d, recompute: str):
         """(forward ms, backward ms) of one layer kind from its flops, each part at the rate of
