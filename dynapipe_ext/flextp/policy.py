@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynapipe_ext.flextp.partition import MAX_SHARE, proportional_counts
-from dynapipe_ext.flextp.resize import MAX_DROP_FRACTION, SKIP_ORDERS, drop_counts
+from dynapipe_ext.flextp.resize import SKIP_ORDERS, drop_counts
 
 MODES = ("off", "resize", "migrate", "semi")
 
@@ -38,7 +38,7 @@ class BalanceCosts:
     bandwidth: float             # bytes per second of the TP link
     latency: float = 1e-3        # seconds per migration round
     accuracy_weight: float = 1.0
-    max_fraction: float = MAX_DROP_FRACTION   # resize bound
+    max_fraction: float = 0.25   # resize bound
     min_horizon: int = 20        # iterations
     min_gain: float = 0.05       # migrate only for at least this share off the step time
     max_units: int | None = None  # slot capacity: the most units one rank may hold
@@ -70,8 +70,7 @@ def balance_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
                                       help="iterations between balancing decisions")),
         (("--flextp-max-drop-fraction",), dict(
             type=float, default=d.max_fraction,
-            help="resize bound: the largest share of a rank's units it may skip (0.5: "
-                 "enough to balance a 2x straggler; 0 keeps every unit)")),
+            help="resize bound: share of a rank's units it may skip")),
         (("--flextp-accuracy-weight",), dict(
             type=float, default=d.accuracy_weight,
             help="semi: iterations of cost charged per fraction of units skipped")),

@@ -5,15 +5,10 @@ norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least
 rotate: a unit skipped in one interval is computed in the next (see choose_drops). Imputation is
 done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
 contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
-value. The bound `max_fraction` caps the share of a rank's units that may be skipped: at the
-default of one half, resize alone balances a straggler up to 2x slower (a quarter, the earlier
-default, stopped at about 1.33x); with rotating skips every unit is still computed at least every
-other interval."""
+value. The bound `max_fraction` caps the share of a rank's units that may be skipped."""
 from __future__ import annotations
 
 import math
-
-MAX_DROP_FRACTION = 0.5     # --flextp-max-drop-fraction's default
 
 
 def max_drops(count: int, max_fraction: float) -> int:
