@@ -56,8 +56,9 @@ CPU_HALF_RATE_TOKENS = 16.0
 # 65,536 slower (its activations outgrow the caches), fitted to the same streams. Without it,
 # 512-token streams ran 1-5% faster and 8,192-token ones 5-7% slower than priced (GPT, against
 # the 2,048-token ones), so the planners took large micro-batches for as cheap per token as
-# small ones; with it the error on the 512-8,192-token streams is at most 6% for both models,
-# median 2%. A GPU has no such term: larger micro-batches only fill it better.
+# small ones; with it the shape error on the 512-8,192-token streams is at most 7% for both
+# models, median 2-4% (docs/BENCHMARKS.md, "Cost model on packed token streams"). A GPU has no
+# such term: larger micro-batches only fill it better.
 CPU_CACHE_TOKENS = 65536.0
 # AnalyticCostModel's host floor per transformer layer on a GPU (forward, backward ms): what
 # launching megatron-core's layer costs the host whatever the micro-batch's size. The H100
