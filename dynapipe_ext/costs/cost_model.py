@@ -154,8 +154,9 @@ class AnalyticCostModel(CostModel):
     case; None, the default, leaves it out); backward = 2x forward, plus the recomputed
     forward part ('selective': the attention core, 'full': whole transformer layers). Kept
     activations per layer follow Korthikanti et al. (arXiv 2205.05198), ~ s*b*h*(34 + 5*a*s/h)
-    bytes at 2-byte precision (scaled by dtype_bytes/2) with dropout; without (`dropout=False`, how the trainer builds
-    its layers) the 1-byte dropout masks and the dropped-out attention copy go:
+    bytes at 2-byte precision (scaled by dtype_bytes/2) with dropout; without
+    (`dropout=False`, how the trainer builds its layers) the 1-byte dropout masks and the
+    dropped-out attention copy go:
     ~ s*b*h*(32 + 2*a*s/h). The trainer's attention (SDPA, fused kernels) keeps no s^2
     tensor for backward at all, only a float32 log-sum-exp per query and head, so the s^2
     terms are replaced by that (`fused_attention=False` restores them for an unfused
