@@ -98,7 +98,8 @@ def test_the_cost_model_gets_the_device_precision_and_optimizer_layout():
                                   model_spec(fp32, 500), 1, 1)
     assert fp32_model.dtype_bytes == 4
     assert fp32_model.sigmoid_gelu      # fp32 on this CPU: stages.gelu_tanh's sigmoid path
-    # small micro-batches lose little on a CPU (measured half rate near 60 tokens), much on a GPU
+    # small micro-batches lose little on a CPU (half rate 16 tokens, fitted to packed streams),
+    # much on a GPU
     assert fp32_model.half_rate_tokens == device_costs.CPU_HALF_RATE_TOKENS
     default = inspect.signature(type(fp32_model)).parameters["half_rate_tokens"].default
     gpu = device_costs.analytic_device_options("cuda").get("half_rate_tokens", default)
