@@ -49,7 +49,7 @@ PARSER_BEFORE = {
     "--flextp-ffn-unit": (0, None, 'int', None, False),
     "--flextp-initial-speeds": (None, None, 'None', None, False),
     "--flextp-interval": (10, None, 'int', None, False),
-    "--flextp-max-drop-fraction": (0.25, None, 'float', None, False),
+    "--flextp-max-drop-fraction": (0.375, None, 'float', None, False),
     "--flextp-min-horizon": (20, None, 'int', None, False),
     "--flextp-patience": (6, None, 'int', None, False),
     "--fp16": (False, None, 'None', 0, False),

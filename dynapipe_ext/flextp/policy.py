@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynapipe_ext.flextp.partition import MAX_SHARE, proportional_counts
-from dynapipe_ext.flextp.resize import SKIP_ORDERS, drop_counts
+from dynapipe_ext.flextp.resize import MAX_DROP_FRACTION, SKIP_ORDERS, drop_counts
 
 MODES = ("off", "resize", "migrate", "semi")
 
@@ -38,7 +38,7 @@ class BalanceCosts:
     bandwidth: float             # bytes per second of the TP link
     latency: float = 1e-3        # seconds per migration round
     accuracy_weight: float = 1.0
-    max_fraction: float = 0.25   # resize bound
+    max_fraction: float = MAX_DROP_FRACTION   # resize bound
     min_horizon: int = 20        # iterations
     min_gain: float = 0.05       # migrate only for at least this share off the step time
     max_units: int | None = None  # slot capacity: the most units one rank may hold

@@ -5,12 +5,15 @@ norm bound |W2 W1 x| <= |W2| |W1| |x|, so skipping them perturbs the layer least
 rotate: a unit skipped in one interval is computed in the next (see choose_drops). Imputation is
 done by the layer (megatron/flextp): it adds each skipped unit's last computed token-mean
 contribution to the row-parallel partial sum, so the all-reduce keeps its shape and expected
-value. The bound `max_fraction` caps the share of a rank's units that may be skipped: a quarter
-by default, which balances a straggler up to about 1.33x; a half (enough for 2x) cost about 2%
-of held-out loss in the FlexTP loss study (docs/BENCHMARKS.md), 0.375 and a quarter under 1%."""
+value. The bound `max_fraction` caps the share of a rank's units that may be skipped:
+MAX_DROP_FRACTION (0.375) by default, which balances a straggler up to 1.6x and leaves a 2x one
+1.25x its even work; a half (enough for 2x) cost about 2% of held-out loss in the FlexTP loss
+study (docs/BENCHMARKS.md), 0.375 and a quarter under 1%."""
 from __future__ import annotations
 
 import math
+
+MAX_DROP_FRACTION = 0.375
 
 
 def max_drops(count: int, max_fraction: float) -> int:

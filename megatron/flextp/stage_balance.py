@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dynapipe_ext.flextp.detector import StragglerDetector
 from dynapipe_ext.flextp.partition import even_partition, proportional_counts, rebalance
 from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
-from dynapipe_ext.flextp.resize import choose_drops, max_drops
+from dynapipe_ext.flextp.resize import MAX_DROP_FRACTION, choose_drops, max_drops
 from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock, slowdown_factor
 from megatron.flextp.stage_layers import FlexPair, convert_stages, migrate_pairs
 
@@ -87,7 +87,8 @@ class StageBalancer:
     """The `--tp-balance` loop of one rank (see the module docstring)."""
 
     def __init__(self, pairs: dict[str, list[FlexPair]], mode: str, layout, group,
-                 interval: int = 10, max_fraction: float = 0.25, accuracy_weight: float = 1.0,
+                 interval: int = 10, max_fraction: float = MAX_DROP_FRACTION,
+                 accuracy_weight: float = 1.0,
                  min_horizon: int = 20, patience: int = 6, warmup_iters: int = 3,
                  verbose: bool = False, skip_order: str = "rotate"):
         self.pairs, self.mode, self.layout, self.group = pairs, mode, layout, group
