@@ -59,6 +59,11 @@ def test_migrate_from_a_forced_uneven_partition_trains_like_even_tp(sp_dataset):
         assert third["action"] == {"attn": "migrate", "mlp": "migrate"}
         assert third["counts"] == {"attn": [2, 2], "mlp": [16, 16]}
         assert r["history"][-1]["counts"] == third["counts"]
+    # the output head's forward is timed on the last stage's ranks (2 and 3) only, each TP
+    # rank's own figure shared with the stage
+    for rank, r in enumerate(flex):
+        heads = [h["heads"] for h in r["history"]]
+        assert all(all(x > 0 for x in h) if rank >= 2 else h == [0.0, 0.0] for h in heads), heads
     # slot parameters at the default --tp-balance-max-share 1.5: capacity 3 heads (3 x 3 x 8
     # qkv rows) and 24 MLP units (24 x 4 columns)
     shapes = flex[0]["param_shapes"]
@@ -155,16 +160,16 @@ def test_slot_capacity_ffn_units_and_stage_figures():
     assert capacity(32, 2, 1.0) == 16 and capacity(6, 2, 1.2) == 3     # never below even
     assert default_ffn_unit(128, 2) == 4 and default_ffn_unit(96, 2) == 3
     assert default_ffn_unit(40, 2) == 2          # 10 units per rank where 16 do not divide
-    # rows: (pp rank, tp rank, seconds, work, tokens, all-reduce seconds); pipeline rank 0
-    # has two replicas
-    table = torch.tensor([[0, 0, 1.0, 10.0, 5, 0.5], [0, 1, 1.0, 10.0, 5, 0.1],
-                          [0, 0, 1.0, 10.0, 5, 0.6], [0, 1, 4.0, 10.0, 5, 0.2],
-                          [1, 0, 9.0, 1.0, 5, 0.0], [1, 1, 1.0, 1.0, 5, 3.0]],
+    # rows: (pp rank, tp rank, seconds, work, tokens, all-reduce seconds, head seconds);
+    # pipeline rank 0 has two replicas
+    table = torch.tensor([[0, 0, 1.0, 10.0, 5, 0.5, 0.0], [0, 1, 1.0, 10.0, 5, 0.1, 0.0],
+                          [0, 0, 1.0, 10.0, 5, 0.6, 0.0], [0, 1, 4.0, 10.0, 5, 0.2, 0.0],
+                          [1, 0, 9.0, 1.0, 5, 0.0, 0.3], [1, 1, 1.0, 1.0, 5, 3.0, 0.7]],
                          dtype=torch.float64)
-    # per TP rank the slowest replica of this stage (its all-reduce seconds with it); the
-    # other stage's figures stay out
-    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0], [0.5, 0.2])
-    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0], [0.0, 3.0])
+    # per TP rank the slowest replica of this stage (its all-reduce and head seconds with
+    # it); the other stage's figures stay out
+    assert stage_figures(table, 0, 2) == ([1.0, 4.0], [10.0, 10.0], [0.5, 0.2], [0.0, 0.0])
+    assert stage_figures(table, 1, 2) == ([9.0, 1.0], [1.0, 1.0], [0.0, 3.0], [0.3, 0.7])
 
 
 def test_outside_seconds_only_for_stragglers_slowed_outside_the_pairs():
@@ -176,6 +181,9 @@ def test_outside_seconds_only_for_stragglers_slowed_outside_the_pairs():
     # no straggler, or a straggler that looks faster outside: nothing
     assert outside_seconds([1.0, 2.0], [1.8, 0.5], set()) == (0.0, 0.0)
     assert outside_seconds([1.0, 2.0], [1.0, 0.5], {1}) == (0.0, 0.0)
+    # the output head, timed on each rank: its difference counts on top of the spans
+    assert outside_seconds([1.0, 2.0], [1.8, 0.5], {1}, [0.2, 0.5]) == pytest.approx((0.0, 0.6))
+    assert outside_seconds([1.0, 2.0], [1.5, 0.5], {1}, [0.2, 0.2]) == (0.0, 0.0)
 
 
 def test_validation_computes_every_unit_then_resizing_resumes():

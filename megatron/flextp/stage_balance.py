@@ -9,6 +9,9 @@ world. Between two all-reduces every TP rank of a layer spans the same wall time
 other compute's difference: a straggler slowed as a whole (another process on its core) takes
 that much longer in its norms, residuals and the rest outside the pairs, and the policies then
 give it fewer units than its pair speed alone says (`offsets`, dynapipe_ext/flextp/policy.py).
+The output head's norm and output layer come after the last pair's all-reduce and before the
+cross-entropy's, which are not timed; each rank times that compute itself (HeadTimer) and
+reports it too, so its difference between ranks counts as outside work as well.
 A pipeline stage's decision uses the figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
 replicas (a slow replica holds the DP all-reduce of all of them). Every rank of a stage thus
 feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
@@ -30,7 +33,7 @@ from dynapipe_ext.flextp.partition import even_partition, proportional_counts, r
 from dynapipe_ext.flextp.policy import BalanceCosts, decide, parse_speeds
 from dynapipe_ext.flextp.resize import MAX_DROP_FRACTION, choose_drops, max_drops
 from megatron.flextp.layers import MODELLED_BANDWIDTH, modelled_clock, slowdown_factor
-from megatron.flextp.stage_layers import FlexPair, convert_stages, migrate_pairs
+from megatron.flextp.stage_layers import FlexPair, HeadTimer, convert_stages, migrate_pairs
 
 
 def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
@@ -48,29 +51,32 @@ def measure_bandwidth(group, nbytes: int = 1 << 20, repeats: int = 3) -> float:
 
 
 def stage_figures(table: torch.Tensor, pp_rank: int, tp: int):
-    """Per TP rank index of pipeline rank `pp_rank`: (seconds, work, all-reduce seconds) of its
-    slowest replica. `table` rows are (pp rank, tp rank, seconds, work, tokens, all-reduce
-    seconds), one per world rank."""
-    times, work, syncs = [0.0] * tp, [0.0] * tp, [0.0] * tp
-    for pp, t, seconds, done, _, sync in table.tolist():
+    """Per TP rank index of pipeline rank `pp_rank`: (seconds, work, all-reduce seconds, head
+    seconds) of its slowest replica. `table` rows are (pp rank, tp rank, seconds, work,
+    tokens, all-reduce seconds, head seconds), one per world rank."""
+    times, work, syncs, heads = [0.0] * tp, [0.0] * tp, [0.0] * tp, [0.0] * tp
+    for pp, t, seconds, done, _, sync, head in table.tolist():
         if int(pp) != pp_rank or seconds <= 0 or done <= 0:
             continue
         t = int(t)
         if work[t] == 0 or done / seconds < work[t] / times[t]:
-            times[t], work[t], syncs[t] = seconds, done, sync
-    return times, work, syncs
+            times[t], work[t], syncs[t], heads[t] = seconds, done, sync, head
+    return times, work, syncs, heads
 
 
-def outside_seconds(times, syncs, stragglers) -> tuple[float, ...]:
+def outside_seconds(times, syncs, stragglers, heads=None) -> tuple[float, ...]:
     """Per TP rank, the seconds it spends outside the pairs beyond what the healthy ranks do
     (0 for the healthy ones, never below 0): pair seconds + all-reduce seconds is the same
-    span less the outside compute on every rank (module docstring)."""
-    healthy = [t + s for r, (t, s) in enumerate(zip(times, syncs)) if r not in stragglers]
+    span less the outside compute between the pairs on every rank (module docstring), and
+    `heads`, the output head's compute timed on each rank (HeadTimer), adds what falls
+    outside those spans."""
+    heads = heads or (0.0,) * len(times)
+    spans = [t + s - h for t, s, h in zip(times, syncs, heads)]
+    healthy = [x for r, x in enumerate(spans) if r not in stragglers]
     if not healthy or not stragglers:
         return (0.0,) * len(times)
     base = sum(healthy) / len(healthy)
-    return tuple(max(0.0, base - t - s) if r in stragglers else 0.0
-                 for r, (t, s) in enumerate(zip(times, syncs)))
+    return tuple(max(0.0, base - x) if r in stragglers else 0.0 for r, x in enumerate(spans))
 
 
 def change_line(iteration: int, pp_rank: int, record: dict) -> str:
@@ -90,8 +96,9 @@ class StageBalancer:
                  interval: int = 10, max_fraction: float = MAX_DROP_FRACTION,
                  accuracy_weight: float = 1.0,
                  min_horizon: int = 20, patience: int = 6, warmup_iters: int = 3,
-                 verbose: bool = False, skip_order: str = "rotate"):
+                 verbose: bool = False, skip_order: str = "rotate", heads=()):
         self.pairs, self.mode, self.layout, self.group = pairs, mode, layout, group
+        self.heads = list(heads)      # HeadTimer of this rank's output head, if it has one
         self.skip_order = skip_order
         self.tp = layout.tp
         self.interval, self.max_fraction = interval, max_fraction
@@ -163,28 +170,32 @@ class StageBalancer:
         for ps in self.pairs.values():
             for p in ps:
                 p.reset_timer()
+        for h in self.heads:
+            h.reset_timer()
 
     def end(self, iteration: int) -> dict:
         """End of an iteration (after the optimizer step): share the figures, feed the detector,
         decide at interval ends. Collective over the world."""
         mine = [p for ps in self.pairs.values() for p in ps]
-        row = torch.zeros(self.layout.world_size, 6, dtype=torch.float64)
+        row = torch.zeros(self.layout.world_size, 7, dtype=torch.float64)
         row[self.layout.rank] = torch.tensor([self.layout.pp_rank, self.layout.tp_rank,
                                               sum(p.seconds for p in mine),
                                               sum(p.work for p in mine),
                                               max((p.tokens for p in mine), default=0.0),
-                                              sum(p.sync_seconds for p in mine)],
+                                              sum(p.sync_seconds for p in mine),
+                                              sum(h.seconds for h in self.heads)],
                                              dtype=torch.float64)
         dist.all_reduce(row)
-        times, work, syncs = stage_figures(row, self.layout.pp_rank, self.tp)
-        record = {"iteration": iteration, "times": times, "work": work, "action": None}
+        times, work, syncs, heads = stage_figures(row, self.layout.pp_rank, self.tp)
+        record = {"iteration": iteration, "times": times, "work": work, "heads": heads,
+                  "action": None}
         if all(t > 0 for t in times) and all(w > 0 for w in work):
             warm = self.observed >= self.warmup_iters
             changed = warm and self.detector.update(times, work)
             self.lasted = 0 if changed else self.lasted + 1
             self.observed += 1
             self._interval_rows.append((times, work, float(row[self.layout.rank, 4]), syncs,
-                                        warm))
+                                        warm, heads))
         record["stragglers"] = sorted(self.detector.stragglers)
         if self.observed and self.observed % self.interval == 0 and self._interval_rows:
             record.update(self._decide())
@@ -208,7 +219,8 @@ class StageBalancer:
         # per TP rank, outside seconds beyond the healthy ranks': the median over the
         # interval's iterations after the warm-up (one slow all-reduce must not move units;
         # the first iterations' waits are start-up, not the ranks' speeds)
-        per_row = [outside_seconds(r[0], r[3], self.detector.stragglers) for r in rows if r[4]]
+        per_row = [outside_seconds(r[0], r[3], self.detector.stragglers, r[5])
+                   for r in rows if r[4]]
         outside = tuple(statistics.median(o[i] for o in per_row) if per_row else 0.0
                         for i in range(self.tp))
         unit_seconds = {kind: ps[0].unit_macs() * tokens * len(ps) * sec_per_work
@@ -262,6 +274,8 @@ def build_balancer(cfg, stages, layout, verbose: bool = True) -> StageBalancer:
     pairs = convert_stages(stages, layout.tp, layout.tp_rank, ffn_unit,
                            slowdown_factor(layout.tp_rank), imputes=cfg.tp_balance != "migrate",
                            max_share=cfg.tp_balance_max_share)
+    heads = [HeadTimer(m.head, modelled_clock()) for m in stages.values()
+             if getattr(m, "head", None) is not None]
     balancer = StageBalancer(pairs, cfg.tp_balance, layout,
                              parallel_state.get_tensor_model_parallel_group(),
                              interval=cfg.flextp_interval,
@@ -269,7 +283,7 @@ def build_balancer(cfg, stages, layout, verbose: bool = True) -> StageBalancer:
                              accuracy_weight=cfg.flextp_accuracy_weight,
                              min_horizon=cfg.flextp_min_horizon, patience=cfg.flextp_patience,
                              verbose=verbose and layout.rank == 0,
-                             skip_order=cfg.flextp_skip_order)
+                             skip_order=cfg.flextp_skip_order, heads=heads)
     speeds = parse_speeds(cfg.flextp_initial_speeds, layout.tp)
     if speeds is not None:
         balancer.start_uneven(speeds)

@@ -238,6 +238,46 @@ class FlexPair:
         self._sync_spans: list = []
 
 
+class HeadTimer:
+    """Times the output head's final norm and output layer forward on this rank (pure compute:
+    the first collective of the head is the cross-entropy's, after them). Outside the pairs,
+    that is the largest work a straggler slowed as a whole does slower; the pairs' all-reduce
+    figures do not see it, since the waits it causes fall in the cross-entropy's and the
+    backward's all-reduces (see outside_seconds in megatron/flextp/stage_balance.py). Reports
+    0 under the modelled clock."""
+
+    def __init__(self, head, modelled: bool = False):
+        self.modelled = modelled
+        self._start = None
+        self.reset_timer()
+        head.final_norm.register_forward_pre_hook(self._begin)
+        head.output_layer.register_forward_hook(self._end)
+
+    def _begin(self, module, args) -> None:
+        if not self.modelled:
+            self._start = FlexPair._mark(args[0])
+
+    def _end(self, module, args, output) -> None:
+        if self._start is None:
+            return
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(self._start, float):
+            self._seconds += time.perf_counter() - self._start
+        else:
+            self._spans.append((self._start, FlexPair._mark(out)))
+        self._start = None
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since reset_timer (on CUDA this waits for the last span)."""
+        self._seconds += FlexPair._read(self._spans)
+        return self._seconds
+
+    def reset_timer(self) -> None:
+        self._seconds = 0.0
+        self._spans: list = []
+
+
 def _select(t: torch.Tensor, axis: int, rows: int | torch.Tensor) -> torch.Tensor:
     """The first `rows` entries of `t` along `axis` (a view), or those an index tensor names."""
     return t.narrow(axis, 0, rows) if isinstance(rows, int) else t.index_select(axis, rows)
