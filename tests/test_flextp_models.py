@@ -175,8 +175,8 @@ def _train_recording_skips(rank, world, argv):
 def test_resize_rotates_skips_so_every_straggler_unit_keeps_getting_gradients(
         sp_dataset, monkeypatch, order):  # noqa: F811
     """TP rank 1 is a 20x straggler (modelled clock) from the start; deciding every
-    iteration, resize skips 6 of its 16 MLP units per layer (the bound, 0.375). Rotating, no unit is
-    skipped twice in a row, so over any 2 iterations every unit of the straggler gets a
+    iteration, resize skips 6 of its 16 MLP units per layer (the bound, 0.375). Rotating, no
+    unit is skipped twice in a row, so over any 2 iterations every unit of the straggler gets a
     gradient; sticky (--flextp-skip-order sticky) leaves some units without one for the whole
     episode."""
     monkeypatch.setenv("FLEXTP_SLOWDOWN", "1:20")
