@@ -147,7 +147,15 @@ def test_straggler_migration_with_data_parallel_trains_like_even_tp(sp_dataset, 
     assert all(math.isfinite(x) for x in semi[0]["losses"])
     decisions = [[(h["action"], h["counts"]) for h in r["history"]] for r in semi]
     assert all(d == decisions[0] for d in decisions)
-    assert any(h["action"] for h in semi[0]["history"])
+    # at 20x the slot capacity (24 of 32 MLP units) clamps the migration, so semi migrates
+    # and the straggler skips on top: 3 of its 8 units (the bound 0.375, rounded down)
+    for rank, r in enumerate(semi):
+        both = [h for h in r["history"]
+                if h["action"] and h["action"]["mlp"] == "migrate+resize"]
+        assert both, r["history"]
+        assert both[0]["counts"]["mlp"] == [24, 8] and both[0]["skips"]["mlp"] == [0, 3]
+        skipped = both[0]["drops"]["mlp"]       # per layer of this rank
+        assert skipped and all(d == (3 if rank % 2 else 0) for d in skipped), skipped
 
 
 def test_slot_capacity_ffn_units_and_stage_figures():

@@ -169,3 +169,21 @@ def test_a_rank_slowed_as_a_whole_gets_fewer_units():
     assert semi.costs["keep"] == pytest.approx(100 * 40 * 0.01)
     with pytest.raises(ValueError, match="offsets"):
         proportional_counts(32, (1.0, 0.5), offsets=(0.0,))
+
+
+def test_semi_migrates_to_the_capacity_and_resizes_the_rest():
+    """A straggler left the slowest by a migration the slot capacity clamps: semi migrates
+    and skips on top, unless the accuracy charge outweighs the time it saves."""
+    capped = BalanceCosts(unit_seconds=0.01, bytes_per_unit=1e6, bandwidth=1e9, max_units=20,
+                          max_fraction=0.25)
+    even = (16, 16)
+    # to (20, 12): the straggler needs 12 / 0.5 + 8 = 32 unit times against 20; skipping 3
+    # (a quarter of 12) leaves 26, charged 3 / 32 of the even step (16 unit times)
+    d = decide("semi", even, (1.0, 0.5), 100, capped, offsets=(0.0, 8.0))
+    assert (d.action, d.counts, d.drops) == ("migrate+resize", (20, 12), (0, 3))
+    assert d.costs["migrate+resize"] == pytest.approx(d.costs["migrate"] - 100 * (6 - 1.5) * 0.01)
+    heavy = BalanceCosts(unit_seconds=0.01, bytes_per_unit=1e6, bandwidth=1e9, max_units=20,
+                         max_fraction=0.25, accuracy_weight=100.0)
+    assert decide("semi", even, (1.0, 0.5), 100, heavy, offsets=(0.0, 8.0)).action == "migrate"
+    # migrate alone never skips
+    assert decide("migrate", even, (1.0, 0.5), 100, capped, offsets=(0.0, 8.0)).drops == (0, 0)

@@ -1,12 +1,16 @@
 """What to do about a straggler each interval: nothing, ZERO-resize, or migrate (`--tp-balance`).
 
-`semi` weighs the three with a cost model over the horizon the current imbalance is expected to
-last (as long as it has lasted so far, at least `min_horizon` iterations):
+`semi` weighs four choices with a cost model over the horizon the current imbalance is expected
+to last (as long as it has lasted so far, at least `min_horizon` iterations):
 - even:    H * t(counts)
 - resize:  H * (t(counts - drops) + accuracy_weight * dropped_share * t_even): skipped work is
-           charged as lost training, `accuracy_weight` iterations per fraction of units skipped;
+           charged as lost training, `accuracy_weight` iterations per fraction of units skipped,
+           t_even the step time of the even partition at full speed;
 - migrate: transfer_s(moved units) + H * t(proportional counts), transfer_s from bytes per
-           unit (weights, fp32 master, both Adam moments) over the measured link bandwidth.
+           unit (weights, fp32 master, both Adam moments) over the measured link bandwidth;
+- migrate+resize: the migration, then the straggler skips what it still lags by (the slot
+           capacity clamps the migration, or whole units cannot split the work exactly),
+           charged as resize is.
 Migration needs a gain of `min_gain` of the step time (no moves for noise).
 Every step time counts each rank's `offsets` too: its time outside the units being balanced
 (norms, residuals, embedding, loss), which a rank slowed as a whole (another process on its
@@ -25,7 +29,7 @@ MODES = ("off", "resize", "migrate", "semi")
 
 @dataclass(frozen=True)
 class Decision:
-    action: str                 # "keep", "resize" or "migrate"
+    action: str                 # "keep", "resize", "migrate" or "migrate+resize"
     counts: tuple[int, ...]     # units per rank after this decision
     drops: tuple[int, ...]      # units each rank skips this interval
     costs: dict                 # predicted seconds over the horizon, per action (semi only)
@@ -127,17 +131,21 @@ def decide(mode: str, counts, speeds, lasted: int, costs: BalanceCosts,
         return resize
     if mode == "migrate":
         return migrate
+    after = drop_counts(target, speeds, costs.max_fraction, offsets) if target != counts else none
+    both = Decision("migrate+resize", target, after, {}) if any(after) else migrate
     horizon = max(lasted, costs.min_horizon)
-    t_even = step_time(counts, none, (1.0,) * len(counts), costs.unit_seconds)
+    t_even = sum(counts) / len(counts) * costs.unit_seconds
     moved = sum(max(0, c - t) for c, t in zip(counts, target))
     transfer = moved * costs.bytes_per_unit / costs.bandwidth + (costs.latency if moved else 0)
-    predicted = {
-        "keep": horizon * step_time(counts, none, speeds, costs.unit_seconds, offsets),
-        "resize": horizon * (step_time(counts, drops, speeds, costs.unit_seconds, offsets)
-                             + costs.accuracy_weight * sum(drops) / sum(counts) * t_even),
-        "migrate": transfer + horizon * step_time(target, none, speeds, costs.unit_seconds,
-                                                  offsets),
-    }
-    best = min(("keep", keep), ("resize", resize), ("migrate", migrate),
-               key=lambda kv: (predicted[kv[0]], kv[0] != "keep"))[1]
+
+    def per_step(d: Decision) -> float:
+        return (step_time(d.counts, d.drops, speeds, costs.unit_seconds, offsets)
+                + costs.accuracy_weight * sum(d.drops) / sum(counts) * t_even)
+
+    predicted = {"keep": horizon * per_step(keep), "resize": horizon * per_step(resize),
+                 "migrate": transfer + horizon * per_step(migrate),
+                 "migrate+resize": transfer + horizon * per_step(both)}
+    choices = (("keep", keep), ("resize", resize), ("migrate", migrate),
+               ("migrate+resize", both))
+    best = min(choices, key=lambda kv: (predicted[kv[0]], kv[0] != "keep"))[1]
     return Decision(best.action, best.counts, best.drops, predicted)

@@ -245,7 +245,7 @@ class StageBalancer:
             offsets = tuple(o * share / unit_seconds[kind] for o in outside)
             decision = decide(self.mode, part.counts(), speeds, self.lasted, costs, offsets)
             counts = decision.counts
-            if decision.action == "migrate" and counts != part.counts():
+            if counts != part.counts():
                 migrate_pairs(ps, self.optimizer, rebalance(part, counts), self.group)
             rank_drops = decision.drops[self.layout.tp_rank]
             for p in ps:
