@@ -12,8 +12,9 @@ give it fewer units than its pair speed alone says (`offsets`, dynapipe_ext/flex
 The output head's norm and output layer come after the last pair's all-reduce and before the
 cross-entropy's, which are not timed; each rank times that compute itself (HeadTimer) and
 reports it too, so its difference between ranks counts as outside work as well.
-A pipeline stage's decision uses the figures of its own ranks only: for each TP rank index, the slowest of the data-parallel
-replicas (a slow replica holds the DP all-reduce of all of them). Every rank of a stage thus
+A pipeline stage's decision uses the figures of its own ranks only: for each TP rank index,
+the slowest of the data-parallel replicas (a slow replica holds the DP all-reduce of all of
+them). Every rank of a stage thus
 feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
 decision; the replicas of a stage keep one partition, so their gradients still add up slot by
 slot. Migration runs within each TP group (point-to-point); resizing skips the smallest-norm units
