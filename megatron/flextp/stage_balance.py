@@ -14,12 +14,13 @@ cross-entropy's, which are not timed; each rank times that compute itself (HeadT
 reports it too, so its difference between ranks counts as outside work as well.
 A pipeline stage's decision uses the figures of its own ranks only: for each TP rank index,
 the slowest of the data-parallel replicas (a slow replica holds the DP all-reduce of all of
-them). Every rank of a stage thus
-feeds the same numbers to the same detector and policy (dynapipe_ext/flextp) and takes the same
-decision; the replicas of a stage keep one partition, so their gradients still add up slot by
-slot. Migration runs within each TP group (point-to-point); resizing skips the smallest-norm units
-of each layer (the replicas hold equal weights, so they pick the same ones), by default not those
-it skipped in the interval before (--flextp-skip-order rotate)."""
+them). Every rank of a stage thus feeds the same numbers to the same detector and policy
+(dynapipe_ext/flextp) and takes the same decision; the replicas of a stage keep one partition,
+so their gradients still add up slot by slot. Migration runs within each TP group
+(point-to-point); resizing skips the smallest-norm units of each layer (the replicas hold
+equal weights, so they pick the same ones), by default not those it skipped in the interval
+before (--flextp-skip-order rotate). A decision that changes the counts migrates, whatever
+else it does (semi's migrate+resize also sets skips)."""
 from __future__ import annotations
 
 import contextlib
