@@ -14,7 +14,6 @@ Rank 0 prints one JSON line.
 import argparse
 import json
 import statistics
-import sys
 import warnings
 
 
@@ -67,4 +66,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from megatron.base.distributed_setup import end_process
+    end_process(status)     # not sys.exit: see end_process

@@ -142,4 +142,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("DYNAPIPE_DEVICE", "cpu")
-    sys.exit(main())
+    status = main()
+    from megatron.base.distributed_setup import end_process
+    end_process(status)     # not sys.exit: see end_process

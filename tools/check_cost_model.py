@@ -288,3 +288,5 @@ def table(rows: list[dict], summary: dict, names=("analytic", "profile")) -> str
 
 if __name__ == "__main__":
     main()
+    from megatron.base.distributed_setup import end_process
+    end_process(0)     # not a plain exit: see end_process

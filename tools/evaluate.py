@@ -126,4 +126,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from megatron.base.distributed_setup import end_process
+    end_process(status)     # not sys.exit: see end_process (a set-up error after the groups)
