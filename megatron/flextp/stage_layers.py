@@ -58,6 +58,54 @@ KINDS = ("attn", "mlp")
 capacity = slot_capacity     # slots per rank (dynapipe_ext/flextp/partition.py)
 
 
+class SpanClock:
+    """Seconds between `begin` and `end` marks, summed: wall time on the CPU; on CUDA a pair
+    of events per span, read only when `seconds` is asked (synchronising at both ends instead
+    would stall the host four times per layer and micro-batch)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._seconds = 0.0
+        self._spans: list = []      # CUDA (start, end) events not yet read
+        self._open = None
+
+    @staticmethod
+    def _mark(x: torch.Tensor):
+        if x.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Open a span (on the device of `x`)."""
+        self._open = self._mark(x)
+
+    def end(self, x: torch.Tensor) -> None:
+        """Close the open span, if any."""
+        if self._open is None:
+            return
+        if isinstance(self._open, float):
+            self._seconds += time.perf_counter() - self._open
+        else:
+            self._spans.append((self._open, self._mark(x)))
+        self._open = None
+
+    def add(self, seconds: float) -> None:
+        self._seconds += seconds
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since reset (on CUDA this waits for the last span)."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+            self._spans.clear()
+        return self._seconds
+
+
 class FlexPair:
     """One column + row linear pair of one layer on one TP rank: which units it holds (slots
     0..n-1, ascending), which it skips, its imputation state and its compute timer."""
@@ -81,7 +129,8 @@ class FlexPair:
         # and adding it back need no host copy; recorded only where skips can happen
         self.contrib = torch.zeros(cap, hidden, device=device)
         self.imputes = imputes
-        self._start = None
+        self.clock, self.sync_clock = SpanClock(), SpanClock()
+        self._started = False
         self.reset_timer()
         self._refresh()
 
@@ -167,75 +216,50 @@ class FlexPair:
             return UsedSlots.apply(t, axis, rows)
         return _select(t, axis, rows)
 
-    # timer: wall time on the CPU; on CUDA a pair of events per forward, read when the figures
-    # are taken (synchronising at both ends instead would stall the host four times per layer
-    # and micro-batch)
-    @staticmethod
-    def _mark(x: torch.Tensor):
-        if x.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
+    # timer: the pair's compute (column input to row output) and its forward all-reduce, each
+    # a SpanClock; under the modelled clock the work at a modelled rate instead
     def start(self, x: torch.Tensor) -> None:
-        self._start = 0.0 if self.modelled else self._mark(x)
+        self._started = True
+        if not self.modelled:
+            self.clock.begin(x)
 
     def synced(self, partial: torch.Tensor, reduce):
         """`reduce(partial)`, the forward all-reduce, timed into sync_seconds (not under the
         modelled clock: its compute figures are not the machine's, so neither are its waits)."""
         if self.modelled:
             return reduce(partial)
-        start = self._mark(partial)
+        self.sync_clock.begin(partial)
         out = reduce(partial)
-        end = self._mark(partial)
-        if isinstance(start, float):
-            self._sync_seconds += end - start
-        else:
-            self._sync_spans.append((start, end))
+        self.sync_clock.end(partial)
         return out
 
     def stop(self, partial: torch.Tensor) -> None:
-        if self._start is None:
+        if not self._started:
             return
         tokens = partial.numel() // partial.shape[-1]
         work = tokens * len(self.computed_slots()) * self.unit_macs()
         if self.modelled:
-            self._seconds += modelled_seconds(work, self.slowdown)
-        elif isinstance(self._start, float):
-            self._seconds += time.perf_counter() - self._start
+            self.clock.add(modelled_seconds(work, self.slowdown))
         else:
-            self._spans.append((self._start, self._mark(partial)))
+            self.clock.end(partial)
         self.tokens += tokens
         self.work += work
-        self._start = None
-
-    @staticmethod
-    def _read(spans: list) -> float:
-        """Seconds of CUDA (start, end) event pairs (waits for the last), emptying the list."""
-        if not spans:
-            return 0.0
-        spans[-1][1].synchronize()
-        total = sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        spans.clear()
-        return total
+        self._started = False
 
     @property
     def seconds(self) -> float:
         """TP compute seconds since reset_timer (on CUDA this waits for the last span)."""
-        self._seconds += self._read(self._spans)
-        return self._seconds
+        return self.clock.seconds
 
     @property
     def sync_seconds(self) -> float:
         """Forward all-reduce seconds since reset_timer (0 under the modelled clock)."""
-        self._sync_seconds += self._read(self._sync_spans)
-        return self._sync_seconds
+        return self.sync_clock.seconds
 
     def reset_timer(self) -> None:
-        self._seconds = self._sync_seconds = self.work = self.tokens = 0.0
-        self._spans: list = []      # CUDA (start, end) events not yet read
-        self._sync_spans: list = []
+        self.work = self.tokens = 0.0
+        self.clock.reset()
+        self.sync_clock.reset()
 
 
 class HeadTimer:
@@ -248,34 +272,24 @@ class HeadTimer:
 
     def __init__(self, head, modelled: bool = False):
         self.modelled = modelled
-        self._start = None
-        self.reset_timer()
+        self.clock = SpanClock()
         head.final_norm.register_forward_pre_hook(self._begin)
         head.output_layer.register_forward_hook(self._end)
 
     def _begin(self, module, args) -> None:
         if not self.modelled:
-            self._start = FlexPair._mark(args[0])
+            self.clock.begin(args[0])
 
     def _end(self, module, args, output) -> None:
-        if self._start is None:
-            return
-        out = output[0] if isinstance(output, tuple) else output
-        if isinstance(self._start, float):
-            self._seconds += time.perf_counter() - self._start
-        else:
-            self._spans.append((self._start, FlexPair._mark(out)))
-        self._start = None
+        self.clock.end(output[0] if isinstance(output, tuple) else output)
 
     @property
     def seconds(self) -> float:
         """Seconds since reset_timer (on CUDA this waits for the last span)."""
-        self._seconds += FlexPair._read(self._spans)
-        return self._seconds
+        return self.clock.seconds
 
     def reset_timer(self) -> None:
-        self._seconds = 0.0
-        self._spans: list = []
+        self.clock.reset()
 
 
 def _select(t: torch.Tensor, axis: int, rows: int | torch.Tensor) -> torch.Tensor:
