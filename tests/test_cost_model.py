@@ -514,3 +514,32 @@ def test_layer_linear_flops_are_the_model_flops_count(options):
     narrow = AnalyticCostModel(t5).layer_params("dec_layer")
     assert (narrow < AnalyticCostModel(dataclasses.replace(t5, kv_channels=0))
             .layer_params("dec_layer")) == (t5.attention_width < 256)
+
+
+def test_rank_cost_model_folds_a_layouts_stages_onto_their_ranks():
+    """RankCostModel: rank r's times and kept bytes are the sums over the stages the layout
+    gives it, its transient peak their largest, its model states theirs together; the
+    activation limit follows from the busiest rank's states."""
+    from dynapipe_ext.costs.cost_model import RankCostModel
+    spec = dataclasses.replace(GPT, pipeline_cut=(5, 3, 3, 5))   # 16 half layers, 4 stages
+    inner = AnalyticCostModel(spec, device_mem_bytes=2**30)
+    wave = (0, 1, 1, 0)
+    ranks = RankCostModel(inner, wave)
+    rows, seq, dec = np.array([2, 4]), np.array([256, 512]), np.array([0, 0])
+    per_stage = inner.stage_cost_arrays(rows, seq, dec, 4, "selective")
+    per_rank = ranks.stage_cost_arrays(rows, seq, dec, 2, "selective")
+    for field in ("fwd_ms", "bwd_ms", "activation_bytes"):
+        got, stages = getattr(per_rank, field), getattr(per_stage, field)
+        np.testing.assert_allclose(got[0], stages[0] + stages[3])
+        np.testing.assert_allclose(got[1], stages[1] + stages[2])
+    np.testing.assert_allclose(per_rank.peak_bytes[0],
+                               np.maximum(per_stage.peak_bytes[0], per_stage.peak_bytes[3]))
+    states = inner.model_state_bytes(4)
+    assert ranks.model_state_bytes(2) == pytest.approx([states[0] + states[3],
+                                                        states[1] + states[2]])
+    assert ranks.activation_memory_limit() == pytest.approx(
+        inner.activation_memory_limit(4, wave))
+    with pytest.raises(ValueError, match="prices the 2 pipeline ranks of its layout, not 4"):
+        ranks.stage_cost_arrays(rows, seq, dec, 4)
+    with pytest.raises(ValueError, match="leaves a rank without stages"):
+        RankCostModel(inner, (0, 2, 2, 0))

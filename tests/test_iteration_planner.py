@@ -231,3 +231,20 @@ def test_the_split_is_made_for_the_layouts_chunks_per_rank(schedule, chunks):
     assert len(pipeline_layout(gpt_config(schedule, dp=1))) == 2 * chunks
     assert plan.batch_plan.info["objective_ms"] == pytest.approx(
         sum(times) + 1 / chunks * max(times))
+
+
+@pytest.mark.parametrize("schedule,cut", [("wave", (3, 1, 1, 3)), ("interleaved", (1, 3, 3, 1))])
+def test_a_cut_of_every_stage_plans_on_layouts_of_more_stages_than_ranks(schedule, cut):
+    """A pipeline cut of all 2*W*P (wave) or v*P (interleaved) stages, in half layers
+    (--pipeline-split balanced or units): the split prices each rank's stages together
+    (RankCostModel) and the plans pass the checker; it failed with a cut of 4 stages priced
+    as 2 before."""
+    import dataclasses
+    config = gpt_config(schedule, dp=1)
+    config = dataclasses.replace(config, spec=dataclasses.replace(GPT, pipeline_cut=cut))
+    plan = plan_iteration(2, gpt_lengths(2), config)
+    rank_plans = decoded(plan, 0, config.pp)
+    check_plans(rank_plans, config.spec)
+    assert rank_plans[0].stage_to_rank == pipeline_layout(config)
+    assert sorted(s for mb in rank_plans[0].micro_batches for s in mb.sample_ids) == \
+        list(range(len(gpt_lengths(2))))

@@ -280,8 +280,10 @@ def test_resuming_a_finished_run_exits_at_once_on_every_rank(sp_dataset, tmp_pat
 
 @pytest.mark.slow
 def test_gpt_cut_in_half_layers_trains_as_the_uncut_model(sp_dataset, tmp_path):
-    """3 layers over 2 stages (--pipeline-split balanced cuts inside a layer): the same losses
-    as one process running the whole model, and its checkpoint loads into the uncut model."""
+    """3 layers over 2 stages (--pipeline-split balanced cuts inside a layer), and over the 4
+    stages of Hanayo's wave layout (--pipeline-split 2,1,2,1: stage 1 is layer 1's
+    attention, stage 2 its MLP and layer 2's attention): the same losses as one process
+    running the whole model, and the 2-stage run's checkpoint loads into the uncut model."""
     args = sp_dataset + TINY_MODEL + ["--num-layers", "3", "--micro-batching", "dynamic",
                                       "--seq-length", "128", "--hidden-dropout", "0",
                                       "--attention-dropout", "0"]   # masks differ by layout
@@ -292,9 +294,14 @@ def test_gpt_cut_in_half_layers_trains_as_the_uncut_model(sp_dataset, tmp_path):
                                               "balanced", "--pipeline-model-parallel-size", "2",
                                               "--save", str(ckpt), "--save-interval", "2"],
                    tmp_path / "cut.jsonl")
-    assert len(cut) == len(whole) == 3
-    for a, b in zip(cut, whole):
+    wave = torchrun("pretrain_gpt.py", args + ["--train-iters", "3", "--pipeline-split",
+                                               "2,1,2,1", "--pipeline-schedule", "wave",
+                                               "--pipeline-model-parallel-size", "2"],
+                    tmp_path / "wave.jsonl")
+    assert len(cut) == len(wave) == len(whole) == 3
+    for a, w, b in zip(cut, wave, whole):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (cut, whole)
+        assert w["loss"] == pytest.approx(b["loss"], rel=1e-5), (wave, whole)
     # the cut run's iteration-2 checkpoint, resumed by one process running the uncut model
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2\n")
     resumed = torchrun("pretrain_gpt.py", args + ["--train-iters", "3", "--load", str(ckpt)],

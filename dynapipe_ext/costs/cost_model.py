@@ -100,6 +100,48 @@ class CostModel:
         return self.device_memory_bytes - max(per_rank.values())
 
 
+class RankCostModel(CostModel):
+    """`inner`'s stages folded onto the pipeline ranks that run them (`stage_to_rank`, e.g.
+    Hanayo's waves or Megatron's interleaving): "stage" r of this model is pipeline rank r,
+    whose forward and backward times and kept activations are the sums over its stages and
+    whose transient peak is the largest of theirs; its model states are its stages' together.
+    A planner that prices one stage per rank (the micro-batch split) so sees each rank's
+    whole work per micro-batch on any layout and under any pipeline cut of all the stages."""
+
+    def __init__(self, inner: CostModel, stage_to_rank: tuple[int, ...]):
+        self.inner, self.stage_to_rank = inner, tuple(stage_to_rank)
+        self.num_stages = max(self.stage_to_rank) + 1
+        if sorted(set(self.stage_to_rank)) != list(range(self.num_stages)):
+            raise ValueError(f"stage_to_rank {self.stage_to_rank} leaves a rank without stages")
+        self.device_memory_bytes = inner.device_memory_bytes
+        self.tp_slot_share = inner.tp_slot_share
+        self._stages_of = [[s for s, r in enumerate(self.stage_to_rank) if r == rank]
+                           for rank in range(self.num_stages)]
+
+    def _ranks(self, num_stages: int) -> None:
+        if num_stages != self.num_stages:
+            raise ValueError(f"this cost model prices the {self.num_stages} pipeline ranks of "
+                             f"its layout, not {num_stages} stages")
+
+    def stage_cost_arrays(self, rows, seq_len, dec_seq_len, num_stages: int,
+                          recompute: str = "none") -> StageCostArrays:
+        self._ranks(num_stages)
+        arr = self.inner.stage_cost_arrays(rows, seq_len, dec_seq_len, len(self.stage_to_rank),
+                                           recompute)
+
+        def fold(x, combine):
+            return np.stack([combine(x[stages], axis=0) for stages in self._stages_of])
+
+        return StageCostArrays(fold(arr.fwd_ms, np.sum), fold(arr.bwd_ms, np.sum),
+                               fold(arr.activation_bytes, np.sum), fold(arr.peak_bytes, np.max),
+                               arr.feasible)
+
+    def model_state_bytes(self, num_stages: int) -> list[float]:
+        self._ranks(num_stages)
+        states = self.inner.model_state_bytes(len(self.stage_to_rank))
+        return [float(sum(states[s] for s in stages)) for stages in self._stages_of]
+
+
 def shape_feasible(model: str, rows: np.ndarray, seq_len: np.ndarray, dec_seq_len: np.ndarray,
                    max_seq_len: int | None, max_dec_seq_len: int | None) -> np.ndarray:
     """Which shapes a model defined up to these max lengths can cost (non-empty, not longer)."""

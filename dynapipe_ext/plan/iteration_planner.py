@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from dynapipe_ext.costs.cost_model import CostModel
+from dynapipe_ext.costs.cost_model import CostModel, RankCostModel
 from dynapipe_ext.plan.lowering import DTYPES, lower
 from dynapipe_ext.batching.microbatch import BatchPlan
 from dynapipe_ext.costs.model_spec import ModelSpec
@@ -277,14 +277,18 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
     timings_ms = {} if timings_ms is None else timings_ms
     timings_ms.update(split=0.0, schedule=0.0)
     # the split's makespan model knows the layout's chunks per rank (a smaller bubble term)
-    planner = replace(config.planner, stage_chunks=len(pipeline_layout(config)) // config.pp)
+    layout = pipeline_layout(config)
+    planner = replace(config.planner, stage_chunks=len(layout) // config.pp)
+    # the split prices one stage per pipeline rank: on a layout of more stages than ranks,
+    # each rank's stages together (whatever the pipeline cut)
+    split_costs = cost_model if len(layout) == config.pp else RankCostModel(cost_model, layout)
     candidates = schedule_candidates(config)
     dtype_bytes = _DTYPE_BYTES[config.dtype]
     retries = []
     while True:
         t0 = time.perf_counter()
         try:
-            batch = plan_micro_batches(lengths, planner, cost_model, config.micro_batching)
+            batch = plan_micro_batches(lengths, planner, split_costs, config.micro_batching)
         except PlanningError as err:
             if not retries:
                 raise
@@ -298,7 +302,7 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
             costs = micro_batch_costs(micro_batches, cost_model, config.spec, dtype_bytes)
             found = evaluate_candidates(costs, memory_limit, config.pp, candidates, config.comm,
                                         waves=(config.waves,), chunks=(config.virtual_stages,),
-                                        adaptive_layout=pipeline_layout(config))
+                                        adaptive_layout=layout)
             if config.forward_only:
                 found = forward_only_candidates(found, costs, config.comm)
             try:
@@ -317,7 +321,7 @@ def split_that_runs(lengths, config: IterationPlannerConfig, cost_model: CostMod
         if overshoot == 0.0:
             batch.info["memory_retries"] = retries
             return batch, picked
-        split_limit = memory_limit_of(cost_model, planner) - overshoot
+        split_limit = memory_limit_of(split_costs, planner) - overshoot
         if split_limit <= 0:
             raise MemoryLimitError(f"no split of this batch runs under any candidate schedule "
                                    f"within {memory_limit:.4g} bytes (split limits tried: "
