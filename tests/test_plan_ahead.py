@@ -180,3 +180,26 @@ def test_is_ready_only_for_the_next_finished_iteration():
         p.get(0)
     with PlanAhead(digest_plan, lengths_of, num_workers=0).start(0) as inline:
         assert not inline.is_ready(0)
+
+
+def test_a_dead_workers_exit_code_is_asked_for_until_it_shows():
+    """The sentinel of a killed worker fires a moment before its exit status is known; the
+    status is asked for again (the message said 'exit code None' on a loaded machine), and
+    None comes back only after the limit."""
+    from dynapipe_ext.runtime.plan_ahead import exit_code_of_ended
+
+    class Ending:
+        reads = 0
+
+        @property
+        def exitcode(self):
+            self.reads += 1
+            return None if self.reads < 4 else -9
+
+    ending = Ending()
+    assert exit_code_of_ended(ending) == -9 and ending.reads == 4
+
+    class Never:
+        exitcode = None
+
+    assert exit_code_of_ended(Never(), limit_s=0.05) is None

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 _POLL_S = 0.2          # how often idle workers and the collector look for shutdown / parent death
 _JOIN_S = 2.0          # grace period for workers to exit before they are killed on close()
+_REAP_S = 5.0          # most time an ended worker's exit status may take to show
 # Workers run at a lower CPU priority than the trainer (os.nice): where training keeps the
 # cores busy (CPU training, a core per rank), planning takes the idle moments (a pipeline
 # rank waiting for its peer) instead of time slices of the ranks' compute; a plan that falls
@@ -100,6 +101,19 @@ def _planner_worker(plan_fn: Callable, tasks, results) -> None:
             except BaseException:  # noqa: BLE001 - e.g. the pipe is gone: nothing left to tell
                 return
 
+
+
+def exit_code_of_ended(proc, limit_s: float = _REAP_S):
+    """The exit code of a process whose sentinel has fired. The sentinel (a pipe) closes as the
+    process exits, a moment before the kernel makes its exit status known, and join(timeout)
+    checks the status only once when the sentinel is already ready: so ask until it shows
+    (at most `limit_s`; None then)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        code = proc.exitcode
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        time.sleep(0.01)
 
 class PlanAhead:
     """Plans iterations ahead of training in `num_workers` processes (0: inline in `get()`).
@@ -354,10 +368,9 @@ class PlanAhead:
                         self._receive(conn, pid_of)
                     except Exception:  # noqa: BLE001 - a torn message from a killed process
                         break
-        proc.join(_POLL_S)
+        code = exit_code_of_ended(proc)
         with self._cond:
             lost = sorted(it for it, pid in self._running.items() if pid == proc.pid)
             what = f"while planning iteration {lost[0]}" if lost else "while idle"
-            self._broken = (f"planner worker pid {proc.pid} died with exit code {proc.exitcode} "
-                            f"{what}")
+            self._broken = f"planner worker pid {proc.pid} died with exit code {code} {what}"
             self._cond.notify_all()
