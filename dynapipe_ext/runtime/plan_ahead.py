@@ -102,7 +102,6 @@ def _planner_worker(plan_fn: Callable, tasks, results) -> None:
                 return
 
 
-
 def exit_code_of_ended(proc, limit_s: float = _REAP_S):
     """The exit code of a process whose sentinel has fired. The sentinel (a pipe) closes as the
     process exits, a moment before the kernel makes its exit status known, and join(timeout)
@@ -114,6 +113,7 @@ def exit_code_of_ended(proc, limit_s: float = _REAP_S):
         if code is not None or time.monotonic() >= deadline:
             return code
         time.sleep(0.01)
+
 
 class PlanAhead:
     """Plans iterations ahead of training in `num_workers` processes (0: inline in `get()`).
