@@ -12,9 +12,12 @@ from dynapipe_ext.costs.model_spec import ModelSpec
 from megatron.model.attention import (
     SEGMENT_GRANULE,
     AttentionMask,
+    PositionBias,
     SDPAttention,
     Segments,
+    flex_block_mask,
     length_groups,
+    position_score_mod,
     sdpa_layer_spec,
     segment_bucket,
     set_packed_attention,
@@ -136,7 +139,6 @@ def test_document_block_mask_from_lengths_equals_torch_from_the_mask(world, q_le
     and full blocks as torch's create_block_mask evaluating the mask everywhere, and flex
     attention under it computes the dense-masked attention (eager, on CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from megatron.model.attention import flex_block_mask
     if causal and q_lengths != k_lengths:
         pytest.skip("causal attention is self-attention")
     q_seg, k_seg = Segments.from_lengths(q_lengths, sq), Segments.from_lengths(k_lengths, sk)
@@ -358,6 +360,102 @@ def test_position_bias_is_added_per_sample_with_padding_and_packing(world, lengt
             want = (scores.softmax(-1) @ vs).transpose(0, 1)
             torch.testing.assert_close(out[span, r], want, rtol=1e-5, atol=1e-5)
             start += n
+
+
+# (row lengths, padded length): packed streams past one 128-token block, and padded rows
+BIAS_LAYOUTS = [([(100, 60, 90), (250,)], 256), ([(3, 140, 37), (129, 1, 60)], 200),
+                ([(200,), (130,)], 200)]
+
+
+def biased_self_attention(lengths, seq_len, causal, seed, device="cpu"):
+    """An SDPAttention module and a T5-style self-attention mask with a random PositionBias
+    over the longest sample (packed streams) or the padded length (padded rows), as
+    megatron.model.stages builds it; q/k/v [s, rows, heads, dim]."""
+    seg = Segments.from_lengths(lengths, seq_len)
+    n = segment_bucket(max(map(max, lengths))) if seg.packed else seq_len
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(HEADS, 2 * n - 1, generator=gen)
+    qkv = [torch.randn(seq_len, len(lengths), HEADS, DIM, generator=gen) for _ in range(3)]
+    attn = core(SDPAttention, AttnMaskType.causal if causal else AttnMaskType.padding)
+    return attn.to(device), seg.to(device), values.to(device), [t.to(device) for t in qkv]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,seq_len", BIAS_LAYOUTS)
+def test_position_bias_as_a_flex_score_mod_equals_the_cpu_path(world, lengths, seq_len, causal):
+    """The CUDA path of a biased mask, FlexAttention with position_score_mod over the block
+    mask built from lengths, gives the CPU path's output (per-segment groups, or the dense
+    float mask of padded rows) at every real query. Eager and forward only: torch's CPU
+    FlexAttention has no backward, and its compiler rejects a score_mod that reads a table
+    (gradients and the compiled kernel: the CUDA tests below)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    attn, seg, values, (q, k, v) = biased_self_attention(lengths, seq_len, causal, seed=seq_len)
+    bias = PositionBias(values, values.shape[1] // 2 + 1)
+    mask = AttentionMask(seg, seg, bias=bias)
+    with torch.no_grad():
+        want = attn(q, k, v, mask).view(seq_len, len(lengths), HEADS, DIM)
+        got = flex_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                             score_mod=position_score_mod(bias),
+                             block_mask=flex_block_mask(mask, causal, "cpu"),
+                             scale=attn.effective_scale).permute(2, 0, 1, 3)
+    real = seg.ids.T > 0
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    # the bias is really there: without it the outputs differ
+    with torch.no_grad():
+        plain = flex_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                               block_mask=flex_block_mask(mask, causal, "cpu"),
+                               scale=attn.effective_scale).permute(2, 0, 1, 3)
+    assert (plain[real] - want[real]).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,seq_len", BIAS_LAYOUTS)
+def test_flex_position_bias_on_cuda(world, lengths, seq_len, causal):
+    """On CUDA a biased self-attention runs FlexAttention (score_mod + block mask) and gives
+    the CPU path's outputs and gradients, the bias table's included."""
+    results = []
+    for device in ("cpu", "cuda"):
+        attn, seg, values, qkv = biased_self_attention(lengths, seq_len, causal, seed=seq_len,
+                                                       device=device)
+        values.requires_grad_()
+        xs = [t.clone().requires_grad_() for t in qkv]
+        mask = AttentionMask(seg, seg, bias=PositionBias(values, values.shape[1] // 2 + 1))
+        out = attn(*xs, mask)
+        real = (seg.ids.T > 0)[:, :, None]
+        (out * real).square().sum().backward()
+        assert (("flex", causal, values.device) in mask.cache) == (device == "cuda")
+        results.append([(out * real).cpu()] + [t.grad.cpu() for t in xs + [values]])
+    for name, got, want in zip(("out", "q", "k", "v", "bias"), results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
+def test_flex_position_bias_compiles_no_more_after_warm_up(world):
+    """New stream lengths and a new longest sample (a new bias table size) reuse the compiled
+    FlexAttention: after the first layouts of each kind, no further graphs."""
+    from torch._dynamo.utils import counters
+    rng = np.random.default_rng(0)
+
+    def step(causal):
+        lengths = [tuple(int(x) for x in rng.integers(20, 300, rng.integers(1, 5)))]
+        seq_len = -(-sum(lengths[0]) // 128) * 128
+        attn, seg, values, qkv = biased_self_attention(lengths, seq_len, causal,
+                                                       seed=int(rng.integers(1 << 30)),
+                                                       device="cuda")
+        values.requires_grad_()
+        xs = [t.requires_grad_() for t in qkv]
+        mask = AttentionMask(seg, seg, bias=PositionBias(values, values.shape[1] // 2 + 1))
+        attn(*xs, mask).float().sum().backward()
+
+    for _ in range(3):
+        step(True), step(False)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(6):
+        step(True), step(False)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu

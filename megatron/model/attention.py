@@ -28,8 +28,10 @@ the query's and key's positions inside their sample, counted from the sample's s
 run one SDPA call whose float mask is the bias where the segment mask allows and -inf elsewhere
 (S^2, as the bias itself is). Packed rows (n = the longest sample) run per segment, grouped by
 length like the segments mode, each group with the bias's top-left [lq, lk] block as its float
-mask: work and memory follow the samples, never a packed row's S^2 (a FlexAttention score_mod
-would do the same in one kernel on CUDA, not done yet).
+mask: work and memory follow the samples, never a packed row's S^2. On CUDA with FlexAttention
+both layouts are one document-masked kernel with the bias as its score_mod (`position_score_mod`,
+self-attention only: T5's cross-attention has no bias), so neither S^2 float masks nor one call
+per length group remain.
 
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
@@ -307,6 +309,20 @@ def flex_block_mask(mask: AttentionMask, causal: bool, device):
                                     seq_lengths=(mask.q.seq_len, mask.k.seq_len))
 
 
+def position_score_mod(bias: PositionBias):
+    """FlexAttention score_mod adding `bias` to self-attention scores: queries and keys share
+    one layout, so inside a sample j - i = kv_idx - q_idx. Pairs across samples, which a
+    partial block still scores before its mask drops them, are clamped into the table. The
+    table's length is read from its shape, so a new longest sample is a new size for the
+    dynamic-shape compile rather than a new constant (a recompile)."""
+    values = bias.values
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        last = values.shape[1] - 1                      # 2n - 2
+        return score + values[h, (kv_idx - q_idx + last // 2).clamp(0, last)]
+    return score_mod
+
+
 class SDPAttention(DotProductAttention):
     """megatron-core core attention on scaled_dot_product_attention (see module docstring).
     Same constructor and forward signature as DotProductAttention; `attention_mask` is an
@@ -332,6 +348,8 @@ class SDPAttention(DotProductAttention):
         elif not isinstance(attention_mask, AttentionMask):
             raise TypeError(f"attention_mask must be an AttentionMask, a bool tensor or None, "
                             f"got {type(attention_mask).__name__}")
+        elif self._flex_takes(q, attention_mask):
+            out = self._flex(q, k, v, attention_mask, causal)
         elif attention_mask.bias is not None and not (attention_mask.q.packed
                                                        or attention_mask.k.packed):
             out = self._biased(q, k, v, attention_mask, causal)
@@ -345,8 +363,6 @@ class SDPAttention(DotProductAttention):
             if ("dense", causal) not in attention_mask.cache:    # built once per micro-batch
                 attention_mask.cache[("dense", causal)] = attention_mask.dense(causal)
             out = self._sdpa(q, k, v, attention_mask.cache[("dense", causal)], False)
-        elif _flex_available(q.device) and not self._dropout_p():
-            out = self._flex(q, k, v, attention_mask, causal)
         else:
             out = self._by_length(query, key, value, attention_mask, causal)
             return out.reshape(sq, batch, -1)
@@ -399,13 +415,25 @@ class SDPAttention(DotProductAttention):
                                                          device=q.device))
         return self._sdpa(q, k, v, scores, False)
 
+    def _flex_takes(self, q, mask: AttentionMask) -> bool:
+        """Whether FlexAttention runs this call: on CUDA without dropout (it has none), for
+        packed rows in "segments" mode and for any layout with a position bias (a score_mod),
+        as long as the bias is a PositionBias over one layout (self-attention)."""
+        if not _flex_available(q.device) or self._dropout_p():
+            return False
+        if mask.bias is not None:
+            return isinstance(mask.bias, PositionBias) and mask.q is mask.k and not (
+                mask.q.packed and self.packed_attention == "mask")
+        return (mask.q.packed or mask.k.packed) and self.packed_attention == "segments"
+
     def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
-        """One document-masked FlexAttention call (CUDA; it has no dropout, so only without)."""
+        """One document-masked FlexAttention call, the position bias as its score_mod."""
         key = ("flex", causal, q.device)
         if key not in mask.cache:
             mask.cache[key] = flex_block_mask(mask, causal, q.device)
-        return _flex_attention()(q, k, v, block_mask=mask.cache[key], scale=self.effective_scale,
-                                 enable_gqa=q.shape[1] != k.shape[1])
+        score_mod = None if mask.bias is None else position_score_mod(mask.bias)
+        return _flex_attention()(q, k, v, score_mod=score_mod, block_mask=mask.cache[key],
+                                 scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def _by_length(self, query, key, value, mask: AttentionMask, causal: bool, bias=None):
         """Per-segment attention, segments of one padded shape (segment_bucket) batched in
