@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.report.throughput import (STRATEGIES, add_ratios, merge_rounds,  # noqa: E402
                                             percent, report_markdown)
+from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 from tools.benchlib.throughput_plots import plot_padding, plot_speedup  # noqa: E402
 
@@ -665,7 +666,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="packer of the packing rows (and of dynamic's packing candidate); "
                         "'best' (default): the one with the most real tokens per slot on the "
                         "timed global batches, chosen per (model, max length) and recorded")
-    g.add_argument("--pipeline-schedule", default="auto", choices=("auto", "1f1b", "adaptive"))
+    g.add_argument("--pipeline-schedule", default="auto", choices=PIPELINE_SCHEDULES,
+                   help="the trainer's --pipeline-schedule, the same for every strategy")
     g.add_argument("--device-flops", type=float, default=None,
                    help="cost model throughput (default: 2e10 on CPU, 3e14 on GPU)")
     g.add_argument("--cost-model", choices=("analytic", "profile"), default="analytic",
