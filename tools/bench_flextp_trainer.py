@@ -54,6 +54,7 @@ from megatron.flextp.run_summary import (FACTOR, balance_changes, final_loss,  #
                                          mean_seconds, render_loss_table, render_table,
                                          summarize, summarize_losses)
 from megatron.training.arguments import add_flag_group  # noqa: E402
+from tools.benchlib.launch import run_group  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 
 SLOWDOWN = f"1:{FACTOR}"
@@ -143,16 +144,11 @@ def busy_core(core: int, on: bool):
 def train(name: str, cmd: list[str], env: dict, busy: bool, timeout: float) -> str:
     """Run one training command (under a busy process on core 1 when `busy`); its log."""
     with busy_core(1, busy):
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise RuntimeError(f"bench_flextp_trainer: {name!r} ran past {timeout} s")
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench_flextp_trainer: {name!r} exited with {proc.returncode}:\n"
+        log, status = run_group(cmd, timeout, cwd=REPO, env=env)
+    if status is None:
+        raise RuntimeError(f"bench_flextp_trainer: {name!r} ran past {timeout} s")
+    if status != 0:
+        raise RuntimeError(f"bench_flextp_trainer: {name!r} exited with {status}:\n"
                            + "\n".join(log.splitlines()[-30:]))
     return log
 

@@ -39,6 +39,7 @@ from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.report.throughput import (STRATEGIES, add_ratios, merge_rounds,  # noqa: E402
                                             percent, report_markdown)
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES  # noqa: E402
+from tools.benchlib.launch import run_group  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
 from tools.benchlib.throughput_plots import plot_padding, plot_speedup  # noqa: E402
 
@@ -586,15 +587,10 @@ def run_job(job: dict, nproc: int, timeout_s: float, log) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                str(Path(__file__).resolve()), "worker", str(job_file)]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            output, failed = proc.stdout, proc.returncode != 0
-        except subprocess.TimeoutExpired as exc:
-            output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) \
-                else (exc.stdout or "")
+        output, status = run_group(cmd, timeout_s, cwd=ROOT, env=env)
+        failed = status != 0
+        if status is None:
             output += f"\n[bench] timed out after {timeout_s:.0f} s"
-            failed = True
         log.write(output)
         log.flush()
         if not (failed and "EADDRINUSE" in output and not Path(job["result_file"]).exists()):
