@@ -50,6 +50,25 @@ def test_the_table_compares_with_the_fastest_packing_row():
     assert ratio_text({"strategy": "dynamic"}) == "n/a (no packing row)"
 
 
+def test_the_waitless_ceiling_is_the_baseline_time_over_the_busiest_ranks_compute():
+    """Packing takes 2 s per iteration; dynamic's busiest rank computes 1.6 s of every
+    iteration (rank 1 here), so even with no waits dynamic could be at most 1.25x faster."""
+    from dynapipe_ext.report.throughput import (busiest_rank_compute_s, padding_free_lines,
+                                                waitless_ceilings)
+    parts = [{"forward": 2.0, "backward": 4.0, "transfer_wait": 3.0},
+             {"forward": 3.0, "backward": 5.0, "transfer_wait": 1.0}]
+    rows = [{"model": "gpt", "max_len": 2048, "strategy": "packing+segment-attn",
+             "tokens_per_s": 100.0, "elapsed_s": 10.0, "iterations": 5},
+            {"model": "gpt", "max_len": 2048, "strategy": "dynamic", "tokens_per_s": 110.0,
+             "elapsed_s": 9.0, "iterations": 5, "time_parts_per_rank": parts}]
+    assert busiest_rank_compute_s(rows[1]) == pytest.approx(1.6)
+    assert busiest_rank_compute_s(rows[0]) is None
+    assert waitless_ceilings(rows, "gpt") == [(2048, pytest.approx(1.25))]
+    assert waitless_ceilings(rows, "t5") == []
+    assert any("2048: 1.25x; geometric mean 1.25x" in line
+               for line in padding_free_lines(rows, "gpt"))
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_data")
