@@ -128,6 +128,17 @@ def test_flex_document_attention_on_cuda(world, causal):
             device="cuda", tol=(2e-3, 2e-3, 2e-3, 2e-3))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
+def test_flex_cross_attention_of_packed_streams_on_cuda(world):
+    """T5's cross-attention of a packed decoder stream over its encoder stream (decoder sample
+    i sees encoder sample i only) through FlexAttention, against the dense-mask reference."""
+    compare([(50, 700, 9)], [(20, 90, 300)], 760, 410, causal=False, device="cuda",
+            tol=(2e-3, 2e-3, 2e-3, 2e-3))
+    compare([(129, 1), (60, 3)], [(5, 250), (300, 44)], 130, 350, causal=False,
+            device="cuda", tol=(2e-3, 2e-3, 2e-3, 2e-3))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_lengths,k_lengths,sq,sk", [
     ([(300, 500, 200), (1000,)], [(300, 500, 200), (1000,)], 1024, 1024),
