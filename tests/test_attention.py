@@ -436,7 +436,7 @@ def test_flex_position_bias_on_cuda(world, lengths, seq_len, causal):
         out = attn(*xs, mask)
         real = (seg.ids.T > 0)[:, :, None]
         (out * real).square().sum().backward()
-        assert (("flex", causal, values.device) in mask.cache) == (device == "cuda")
+        assert (("flex", causal, values.device, id(seg)) in seg.cache) == (device == "cuda")
         results.append([(out * real).cpu()] + [t.grad.cpu() for t in xs + [values]])
     for name, got, want in zip(("out", "q", "k", "v", "bias"), results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=name)

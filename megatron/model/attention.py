@@ -427,12 +427,14 @@ class SDPAttention(DotProductAttention):
         return (mask.q.packed or mask.k.packed) and self.packed_attention == "segments"
 
     def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
-        """One document-masked FlexAttention call, the position bias as its score_mod."""
-        key = ("flex", causal, q.device)
-        if key not in mask.cache:
-            mask.cache[key] = flex_block_mask(mask, causal, q.device)
+        """One document-masked FlexAttention call, the position bias as its score_mod. The
+        block mask depends on the layouts alone, so it is kept with the query layout: built
+        once per micro-batch even where each stage call brings a fresh biased mask."""
+        key = ("flex", causal, q.device, id(mask.k))
+        if key not in mask.q.cache:
+            mask.q.cache[key] = flex_block_mask(mask, causal, q.device)
         score_mod = None if mask.bias is None else position_score_mod(mask.bias)
-        return _flex_attention()(q, k, v, score_mod=score_mod, block_mask=mask.cache[key],
+        return _flex_attention()(q, k, v, score_mod=score_mod, block_mask=mask.q.cache[key],
                                  scale=self.effective_scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def _by_length(self, query, key, value, mask: AttentionMask, causal: bool, bias=None):
