@@ -17,10 +17,8 @@ Per rank, in order:
 * SendXStart(buffer=b) comes right after the producing compute: it takes that compute's output
   (activation of Forward(mb, s), or the input gradient of Backward(mb, s)) as buffer b and posts
   the non-blocking send. SendXFinish waits for it; it is deferred past at least one later
-  compute (overlap) to the first point where it is provably safe (see below), and further to
-  where waiting costs nothing: an activation's to right before Backward(mb, s), a gradient's
-  to the receive finish of the first later message from its peer that the peer produced
-  after consuming it (place_send_finishes); then FreeBuffer(b) releases the send buffer.
+  compute (overlap) to the first point where it is provably safe (see below), then
+  FreeBuffer(b) releases the send buffer.
 * RecvXStart(buffer=b) posts a non-blocking receive into a fresh buffer b `recv_lookahead`
   computes before the consuming compute (earlier when per-pair ordering requires it);
   RecvXFinish waits right before the consuming compute. Received activations are the stage's
@@ -108,8 +106,6 @@ class Transfer:
     shapes: tuple
     producer_pos: int           # index of the producing compute in src's compute list
     consumer_pos: int           # index of the consuming compute in dst's compute list
-    kept_until: int = -1        # activations: index of Backward(mb, send_stage) on src, which
-                                # keeps the sent output anyway (-1: forward only)
     pair_index: int = -1        # position among all transfers src -> dst
     recv_gap: int = -1          # gap on dst (before compute #gap) holding the receive start
     send_finish_gap: int = -1   # gap on src holding the send finish
@@ -195,10 +191,8 @@ def find_transfers(schedule: Schedule, micro_batches: Sequence[MicroBatch],
         shapes = stage_output_shapes(layers[shape_stage], mb.num_rows, mb.seq_len,
                                      mb.dec_seq_len, spec.hidden_size)
         consumer = where[Action(to_stage, act.kind, act.mb)]
-        kept = where.get(Action(act.stage, BACKWARD, act.mb), (rank, -1))[1] \
-            if kind == ACTIVATION else -1
         transfers.append(Transfer(kind, act.mb, act.stage, to_stage, rank, consumer[0],
-                                  shapes, i, consumer[1], kept_until=kept))
+                                  shapes, i, consumer[1]))
     return transfers
 
 
@@ -228,27 +222,12 @@ def place_receives(pairs: Mapping[tuple[int, int], list[Transfer]], recv_lookahe
 def place_send_finishes(pairs: Mapping[tuple[int, int], list[Transfer]],
                         times: Sequence[Sequence[tuple[float, int]]]) -> None:
     """Send finish before the first compute Z on src, at least two computes after the producer,
-    with T(Z) > T(compute after which dst posts the receive); at the end if none. Then later,
-    where waiting there costs nothing: a sent activation is kept for Backward(mb, stage) on
-    src anyway, so its finish moves to right before that backward; a sent gradient's moves to
-    the finish of the first message src receives from dst that dst produces after consuming
-    the gradient (that receive cannot complete before the send has). A receiver that runs late
-    against the cost model's timing then blocks no compute on the sender (measured on CPU, T5
-    at PP=2: send finishes waited 11-16% of an iteration), and the order stays deadlock-free
-    (a later Z only raises T(Z))."""
+    with T(Z) > T(compute after which dst posts the receive); at the end if none."""
     for (src, dst), seq in pairs.items():
         src_times = times[src]
-        back = pairs.get((dst, src), [])           # in dst's producing order
-        produced = [u.producer_pos for u in back]
         for t in seq:
             after = times[dst][t.recv_gap - 1] if t.recv_gap > 0 else (float("-inf"), -1)
             gap = max(t.producer_pos + 2, bisect.bisect_right(src_times, after))
-            if t.kind == ACTIVATION:
-                gap = max(gap, t.kept_until)
-            else:
-                later = bisect.bisect_right(produced, t.consumer_pos)
-                if later < len(back):
-                    gap = max(gap, back[later].consumer_pos)
             t.send_finish_gap = min(gap, len(src_times))
 
 
