@@ -26,7 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,9 +35,13 @@ sys.path.insert(0, str(REPO))
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from megatron.bench.schedule_bench import (  # noqa: E402
     MODELS, SCHEDULES, predicted_rank_compute_ms, rank_busy_ms, run_argv)
+from tools.benchlib.launch import run_group  # noqa: E402
 
 
 PROFILE_DIR = REPO / "runs" / "bench_pipeline_training" / "profiles"
+# one training run's limit: a hang guard (runs take about a minute; a first-use profile, a
+# few minutes)
+RUN_TIMEOUT_S = 1800.0
 
 
 def cost_flags(cost_model: str) -> list[str]:
@@ -56,13 +59,15 @@ def train(model: str, schedule: str, iters: int, out: Path, port: int,
            "--master-addr", "127.0.0.1", "--master-port", str(port),
            f"pretrain_{model}.py"] + run_argv(model, schedule, iters, stats) + extra
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{model} {schedule}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    chosen = [line for line in done.stdout.splitlines() if "--pipeline-schedule auto:" in line]
+    output, status = run_group(cmd, RUN_TIMEOUT_S, cwd=REPO, env=env)
+    if status is None:
+        raise RuntimeError(f"{model} {schedule}: ran past {RUN_TIMEOUT_S:.0f} s\n{output[-3000:]}")
+    if status:
+        raise RuntimeError(f"{model} {schedule}: exit {status}\n{output[-3000:]}")
+    chosen = [line for line in output.splitlines() if "--pipeline-schedule auto:" in line]
     records = [json.loads(line) for line in stats.read_text().splitlines()
                if '"validation"' not in line]
-    return records, (chosen[0].split("auto: ", 1)[1] if chosen else ""), busy_shares(done.stdout)
+    return records, (chosen[0].split("auto: ", 1)[1] if chosen else ""), busy_shares(output)
 
 
 RANK_SHARES = re.compile(r"\[train\] rank (\d+): host overhead [\d.]+% \(forward ([\d.]+)% \| "
