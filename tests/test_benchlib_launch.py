@@ -27,7 +27,8 @@ def test_a_group_past_its_limit_ends_with_its_workers(tmp_path):
     # the worker lets go of torchrun's output pipe, so that a worker left running cannot
     # hold run_group's read of it open (it would wait for the sleep to end)
     script.write_text("import os, time\n"
-                      "null = os.open(os.devnull, os.O_WRONLY)\nos.dup2(null, 1)\nos.dup2(null, 2)\n"
+                      "null = os.open(os.devnull, os.O_WRONLY)\n"
+                      "os.dup2(null, 1)\nos.dup2(null, 2)\n"
                       f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]

@@ -13,8 +13,8 @@
 # Each step gets what is left of the budget, at most its own limit; a step with under 30 s
 # left is skipped and says so. The limits follow the one GPU run so far (2026-11-23, one H100:
 # 60-100 s a row with start-up and compiles, 40 s to profile a model), so under the default
-# budget the tests and padded rows get what the throughput rows leave. The throughput bench writes each strategy's row as it
-# finishes, so a step cut short keeps the rows it completed.
+# budget the tests and padded rows get what the throughput rows leave. The throughput bench
+# writes each strategy's row as it finishes, so a step cut short keeps the rows it completed.
 # Results: JSON and logs under $OUT (the device machine's output folder) or runs/gpu_check.
 #
 #   bash tools/gpu_check.sh                  # on the GPU machine
@@ -78,7 +78,10 @@ samples=4000; [ "$dry" = 1 ] && samples=600
 gpu_tests() {
   local limit
   limit=$(step_limit 150)
-  if [ "$limit" -lt 30 ]; then say "gpu-marked tests skipped: ${limit}s of the budget left"; return; fi
+  if [ "$limit" -lt 30 ]; then
+    say "gpu-marked tests skipped: ${limit}s of the budget left"
+    return
+  fi
   say "gpu-marked tests (at most ${limit}s)"
   if [ "$dry" = 1 ]; then
     # no GPU here: collect them (catches import errors) and let them skip

@@ -29,9 +29,9 @@ run one SDPA call whose float mask is the bias where the segment mask allows and
 (S^2, as the bias itself is). Packed rows (n = the longest sample) run per segment, grouped by
 length like the segments mode, each group with the bias's top-left [lq, lk] block as its float
 mask: work and memory follow the samples, never a packed row's S^2. On CUDA with FlexAttention
-both layouts are one document-masked kernel with the bias as its score_mod (`position_score_mod`,
-self-attention only: T5's cross-attention has no bias), so neither S^2 float masks nor one call
-per length group remain.
+both layouts are one document-masked kernel with the bias as its score_mod
+(`position_score_mod`, self-attention only: T5's cross-attention has no bias), so neither S^2
+float masks nor one call per length group remain.
 
 Pad positions' outputs are don't-care (loss mask 0, never seen by a real query).
 """
