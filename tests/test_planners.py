@@ -1,5 +1,7 @@
 """Planner interface: every strategy covers each sample once, respects its limits, splits
 replicas evenly and fails loudly on bad input."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -331,3 +333,27 @@ def test_chunks_per_rank_shrink_the_bubble_term_of_the_split():
     assert len(plans[4].micro_batches) <= len(plans[1].micro_batches)
     with pytest.raises(ValueError, match="stage_chunks"):
         PlannerConfig(stage_chunks=0)
+
+
+@pytest.mark.parametrize("packed_attention", ["segments", "mask"])
+def test_packing_without_a_micro_batch_size_groups_rows_by_least_predicted_makespan(
+        packed_attention):
+    """Rows per micro-batch left open: the grouping of the packer's rows whose makespan
+    objective is least, not the most rows that fit (at PP=2 a small global batch would then
+    be a single micro-batch, with nothing for the pipeline to overlap)."""
+    from dynapipe_ext.batching.dp_split import makespan_objective
+    lengths = gpt_lengths(n=60, seed=8)
+    config, cost = gpt_setup(packing_algorithm="spfhp", packed_attention=packed_attention,
+                             memory_limit_bytes=4e9)
+    chosen = plan_micro_batches(lengths, config, cost, "packing")
+    rows = chosen.info["micro_batch_size"]
+    objectives = {}
+    for size in (1, 2, 4, 8, 16, 32, chosen.info["packed_rows"]):
+        fixed = plan_micro_batches(lengths, dataclasses.replace(config, micro_batch_size=size),
+                                   cost, "packing")
+        objectives[size] = makespan_objective([mb.time_ms for mb in fixed.micro_batches],
+                                              config.makespan_stages)
+    assert objectives[chosen.info["packed_rows"]] > min(objectives.values())   # one is worse
+    assert rows < chosen.info["packed_rows"] and len(chosen.micro_batches) > 1
+    assert objectives[rows] == pytest.approx(min(objectives.values()))
+    assert sorted(chosen.sample_ids()) == list(range(len(lengths)))

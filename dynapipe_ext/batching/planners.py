@@ -51,8 +51,9 @@ class PlannerConfig:
     memory_limit_bytes: activation bytes per device; None = ask the cost model.
     tokens_per_global_batch: if set, real tokens of the batch (each of encoder and decoder
         for T5) must not exceed it.
-    micro_batch_size: rows per micro-batch for padding / packing; None = the most rows that fit
-        memory at the maximum lengths.
+    micro_batch_size: rows per micro-batch for padding / packing; None = padding: the most
+        rows that fit memory at the maximum lengths; packing: per batch, the grouping of
+        least predicted makespan (best_row_grouping).
     token_budget: padded tokens (T5: encoder + decoder) per micro-batch for token-budget;
         None = micro_batch_size-at-max-length worth of tokens.
     overlong: "error" or "truncate" for samples longer than the maximum lengths.
@@ -392,26 +393,67 @@ def _fitting_halves(ctx: PlanningContext, ids: list[int]) -> list[MicroBatch]:
 
 def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
     """Pack samples into rows of exactly max_seq_len (T5: and max_dec_seq_len) tokens with the
-    configured packer, then group `micro_batch_size` rows per micro-batch."""
+    configured packer, then group `micro_batch_size` rows per micro-batch; with
+    micro_batch_size None, the rows per micro-batch (1, 2, 4, ... or the most that fit) of
+    the least predicted makespan (best_row_grouping): the most rows that fit would make a
+    single micro-batch of a small global batch, and leave a pipeline nothing to overlap."""
+    cfg = ctx.config
+    packs = _packer_rows(ctx)
+    dec = 0 if cfg.model == "gpt" else cfg.max_dec_seq_len
+
+    def costed(groups, strict):
+        if cfg.packed_attention == "mask":
+            try:
+                return ctx.micro_batches(groups, [cfg.max_seq_len] * len(groups),
+                                         [dec] * len(groups))
+            except PlanningError:
+                if strict:
+                    raise
+                return None
+        return ctx.segment_costed([MicroBatch(tuple(tuple(int(s) for s in r) for r in g),
+                                              cfg.max_seq_len, dec) for g in groups],
+                                  strict=strict)
+
+    if cfg.micro_batch_size is not None:
+        rows = cfg.micro_batch_size
+        out = costed([packs[i:i + rows] for i in range(0, len(packs), rows)], strict=True)
+    else:
+        best = best_row_grouping(ctx, packs, lambda groups: costed(groups, strict=False))
+        if best is None:     # not even one row per micro-batch fits: name the row
+            costed([[row] for row in packs], strict=True)
+        _, rows, out = best
+    ctx.info.update(micro_batch_size=rows, packed_rows=len(packs))
+    return out
+
+
+def _packer_rows(ctx: PlanningContext) -> list:
+    """The configured packer's rows (sample ids per row) of the batch at the maximum lengths."""
     from dynapipe_ext.batching.packing import pack_pairs, pack_sequences   # written alongside; imported when used
     cfg = ctx.config
     if cfg.model == "gpt":
-        packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
-                               cfg.max_pack_depth)
-        dec = 0
-    else:
-        packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
-                           cfg.packing_algorithm, cfg.max_pack_depth)
-        dec = cfg.max_dec_seq_len
-    rows = ctx.default_rows()
-    groups = [packs[i:i + rows] for i in range(0, len(packs), rows)]
-    if cfg.packed_attention == "mask":
-        out = ctx.micro_batches(groups, [cfg.max_seq_len] * len(groups), [dec] * len(groups))
-    else:
-        out = ctx.segment_costed([MicroBatch(tuple(tuple(int(s) for s in r) for r in g),
-                                             cfg.max_seq_len, dec) for g in groups], strict=True)
-    ctx.info.update(micro_batch_size=rows, packed_rows=len(packs))
-    return out
+        return pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
+                              cfg.max_pack_depth)
+    return pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
+                      cfg.packing_algorithm, cfg.max_pack_depth)
+
+
+def best_row_grouping(ctx: PlanningContext, packs: list, costed):
+    """(objective, rows per micro-batch, micro-batches) of the grouping of the packer's rows
+    `packs`, in order, into micro-batches of 1, 2, 4, ... rows (and the most rows that fit
+    memory) with the least makespan objective (dp_split.makespan_objective); `costed` maps a
+    list of row groups to costed micro-batches, or None when one does not fit. None when no
+    grouping fits."""
+    cfg = ctx.config
+    powers = {1 << k for k in range(max(1, len(packs)).bit_length() + 1)}
+    best = None
+    for rows in sorted(powers | {ctx.default_rows()}):
+        mbs = costed([packs[i:i + rows] for i in range(0, len(packs), rows)])
+        if mbs is not None:
+            value = makespan_objective([mb.time_ms for mb in mbs], cfg.makespan_stages,
+                                       cfg.data_parallel)
+            if best is None or value < best[0]:
+                best = (value, rows, mbs)
+    return best
 
 
 def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
@@ -476,28 +518,13 @@ def plan_dynamic(ctx: PlanningContext) -> list[MicroBatch]:
 
 def _packing_candidate(ctx: PlanningContext):
     """(objective, micro-batches) of the best packing plan laid out as packed streams: the
-    configured packer's rows, grouped 1, 2, 4, ... rows per micro-batch (and the packing
-    strategy's own rows per micro-batch) in packing's order; None when none fits memory."""
-    from dynapipe_ext.batching.packing import pack_pairs, pack_sequences
-    cfg = ctx.config
-    if cfg.model == "gpt":
-        packs = pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,
-                               cfg.max_pack_depth)
-    else:
-        packs = pack_pairs(ctx.enc, ctx.dec, cfg.max_seq_len, cfg.max_dec_seq_len,
-                           cfg.packing_algorithm, cfg.max_pack_depth)
-    best = None
-    powers = [1 << k for k in range(max(1, len(packs)).bit_length() + 1)]
-    for rows in sorted(set(powers) | {ctx.default_rows()}):
-        groups = [np.array([s for row in packs[i:i + rows] for s in row], dtype=np.int64)
-                  for i in range(0, len(packs), rows)]
-        mbs = ctx.packed_micro_batches(groups)
-        if mbs is not None:
-            value = makespan_objective([mb.time_ms for mb in mbs], cfg.makespan_stages,
-                                       cfg.data_parallel)
-            if best is None or value < best[0]:
-                best = (value, mbs)
-    return best
+    configured packer's rows grouped as best_row_grouping finds best, each group one stream;
+    None when none fits memory."""
+    def as_streams(groups):
+        return ctx.packed_micro_batches([np.array([s for row in g for s in row], dtype=np.int64)
+                                         for g in groups])
+    best = best_row_grouping(ctx, _packer_rows(ctx), as_streams)
+    return None if best is None else (best[0], best[2])
 
 
 def _refined(ctx: PlanningContext, best):

@@ -679,7 +679,8 @@ FLAGS: tuple[Flag, ...] = (
                  "alignment at its end; attention within each sample), or 'padded', "
                  "the DynaPipe paper's one sample per row padded to the longest"),
     declare(PLANNING, "--micro-batch-size", type=int, default=4,
-            help="rows per micro-batch for --micro-batching padding"),
+            help="rows per micro-batch for --micro-batching padding (packing groups its "
+                 "rows per batch by least predicted makespan)"),
     declare(PLANNING, "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
             validated_by="IterationPlannerConfig",
             help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
