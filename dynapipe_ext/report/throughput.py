@@ -164,19 +164,23 @@ def projection_table(projection: dict) -> list[str]:
     return out
 
 
+def paired_rows(rows: list[dict], model: str, strategy: str, baseline: str, has: str):
+    """(max length, `strategy`'s row, `baseline`'s row) of one model at each max length where
+    both have the field `has` (a row that failed has neither)."""
+    def row(L, name):
+        return next((r for r in rows if r["model"] == model and r["max_len"] == L
+                     and r["strategy"] == name and r.get(has)), None)
+    for L in sorted({r["max_len"] for r in rows if r["model"] == model}):
+        mine, base = row(L, strategy), row(L, baseline)
+        if mine and base:
+            yield L, mine, base
+
+
 def stronger_baseline_ratios(rows: list[dict], model: str, strategy: str = "dynamic",
                              baseline: str = "packing+segment-attn") -> list[tuple[int, float]]:
     """(max length, `strategy` tokens/s / `baseline` tokens/s) of one model."""
-    def tps(L, strategy):
-        return next((r["tokens_per_s"] for r in rows if r["model"] == model
-                     and r["max_len"] == L and r["strategy"] == strategy
-                     and "tokens_per_s" in r), None)
-    out = []
-    for L in sorted({r["max_len"] for r in rows if r["model"] == model}):
-        dyn, seg = tps(L, strategy), tps(L, baseline)
-        if dyn and seg:
-            out.append((L, dyn / seg))
-    return out
+    return [(L, mine["tokens_per_s"] / base["tokens_per_s"])
+            for L, mine, base in paired_rows(rows, model, strategy, baseline, "tokens_per_s")]
 
 
 def busiest_rank_compute_s(row: dict) -> float | None:
@@ -194,14 +198,10 @@ def waitless_ceilings(rows: list[dict], model: str, strategy: str = "dynamic",
     per iteration) of one model: the most `strategy` could gain over the baseline if none of
     its ranks ever waited, its compute as measured. The two rows train the same global
     batches, so seconds per iteration compare as tokens/s do."""
-    def row(L, name):
-        return next((r for r in rows if r["model"] == model and r["max_len"] == L
-                     and r["strategy"] == name and r.get("elapsed_s")), None)
     out = []
-    for L in sorted({r["max_len"] for r in rows if r["model"] == model}):
-        mine, base = row(L, strategy), row(L, baseline)
-        busy = busiest_rank_compute_s(mine) if mine else None
-        if busy and base and base.get("iterations"):
+    for L, mine, base in paired_rows(rows, model, strategy, baseline, "elapsed_s"):
+        busy = busiest_rank_compute_s(mine)
+        if busy and base.get("iterations"):
             out.append((L, base["elapsed_s"] / base["iterations"] / busy))
     return out
 
