@@ -69,6 +69,23 @@ def test_the_waitless_ceiling_is_the_baseline_time_over_the_busiest_ranks_comput
                for line in padding_free_lines(rows, "gpt"))
 
 
+def test_ratios_are_also_taken_round_by_round():
+    """Rounds interleave the strategies, so a slow spell hits both sides of a round's ratio:
+    round 0 is slow for both (ratio 1.2), round 1 fast for both (ratio 0.9), round 2 in
+    between (1.0). Medians of each strategy's rounds pair 110 with 100 (1.1x); round by
+    round the median is 1.0x, the spread 0.9-1.2."""
+    from dynapipe_ext.report.throughput import merge_rounds, padding_free_lines, per_round_ratios
+    raw = [{"model": "gpt", "max_len": 2048, "strategy": s, "tokens_per_s": t, "round": k}
+           for k, (pack, dyn) in enumerate([(50.0, 60.0), (200.0, 180.0), (100.0, 100.0)])
+           for s, t in (("packing+segment-attn", pack), ("dynamic", dyn))]
+    rows = merge_rounds(raw)
+    assert per_round_ratios(rows, "gpt") == [(2048, pytest.approx([1.2, 0.9, 1.0]))]
+    assert per_round_ratios(merge_rounds(raw[:2]), "gpt") == []       # one round: no spread
+    assert per_round_ratios(rows, "t5") == []
+    assert any("round by round, median (min-max): 2048: 1.00x (0.90-1.20)" in line
+               for line in padding_free_lines(rows, "gpt"))
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_data")

@@ -25,7 +25,9 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
             out.append(group[0])
             continue
         out.append(dict(ok[(len(ok) - 1) // 2],
-                        tokens_per_s_rounds=[r["tokens_per_s"] for r in ok]))
+                        tokens_per_s_rounds=[r["tokens_per_s"] for r in ok],
+                        tokens_per_s_by_round={r["round"]: r["tokens_per_s"]
+                                               for r in ok if "round" in r}))
     return out
 
 
@@ -183,6 +185,21 @@ def stronger_baseline_ratios(rows: list[dict], model: str, strategy: str = "dyna
             for L, mine, base in paired_rows(rows, model, strategy, baseline, "tokens_per_s")]
 
 
+def per_round_ratios(rows: list[dict], model: str, strategy: str = "dynamic",
+                     baseline: str = "packing+segment-attn") -> list[tuple[int, list[float]]]:
+    """(max length, `strategy` / `baseline` tokens/s of each round both ran) of one model, from
+    merged rows (merge_rounds); the strategies take turns within a round, so a slow spell of
+    the machine hits both sides of a round's ratio alike. Lengths with fewer than two such
+    rounds are left out."""
+    out = []
+    for L, mine, base in paired_rows(rows, model, strategy, baseline, "tokens_per_s_by_round"):
+        a, b = mine["tokens_per_s_by_round"], base["tokens_per_s_by_round"]
+        ratios = [a[k] / b[k] for k in sorted(set(a) & set(b))]
+        if len(ratios) >= 2:
+            out.append((L, ratios))
+    return out
+
+
 def busiest_rank_compute_s(row: dict) -> float | None:
     """Forward + backward seconds per timed iteration of the row's busiest rank (its time
     parts): no schedule of the same micro-batches on the same stages is shorter."""
@@ -228,6 +245,13 @@ def padding_free_lines(rows: list[dict], model: str) -> list[str]:
                      f"{', '.join(f'{L}: {v:.2f}x' for L, v in strong)}; geometric mean "
                      f"{geo:.2f}x, lowest {min(values):.2f}x (target >= {PADDING_FREE_TARGET}x, "
                      f"none below 1.0x: {ok})")
+    by_round = per_round_ratios(rows, model)
+    if by_round:
+        medians = [median(r) for _, r in by_round]
+        lines.append(f"- {model.upper()} the same round by round, median (min-max): "
+                     + ", ".join(f"{L}: {median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                                 for L, r in by_round)
+                     + f"; geometric mean of the medians {geometric_mean(medians):.2f}x")
     ceilings = waitless_ceilings(rows, model)
     if ceilings:
         lines.append(f"- {model.upper()} ceiling of dynamic with no waits at all (packing+"
