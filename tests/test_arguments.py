@@ -309,6 +309,22 @@ def test_every_packer_and_the_pack_depth_reach_the_planner(model, algorithm):
     assert parse_args(model, BASE, has_cuda=False).max_pack_depth is None
 
 
+@pytest.mark.parametrize("strategy, given, planned", [
+    ("padding", None, 4), ("padding", 3, 3),      # padding: 4 rows unless told
+    ("packing", None, None), ("packing", 3, 3),   # packing: searched per batch unless told
+    ("dynamic", None, None), ("dynamic", 3, None)])   # dynamic sizes its own
+def test_micro_batch_size_fixes_the_rows_of_padding_and_packing(strategy, given, planned,
+                                                                capsys):
+    from megatron.training.training import model_spec, planner_config
+    argv = BASE + ["--micro-batching", strategy]
+    cfg = parse_args("gpt", argv + ([] if given is None else ["--micro-batch-size", str(given)]),
+                     has_cuda=False)
+    assert cfg.micro_batch_size == given
+    assert planner_config(cfg, model_spec(cfg, 1000), 1).planner.micro_batch_size == planned
+    assert "--micro-batch-size must be > 0, got 0" in parse_or_exit_message(
+        capsys, "gpt", ["--micro-batching", strategy, "--micro-batch-size", "0"])
+
+
 def test_packing_window_flags_make_the_sampler_pack_and_the_planner_rebuild(capsys):
     from megatron.training.training import (model_spec, packing_window, planner_config,
                                             replica_split, sampler_settings)

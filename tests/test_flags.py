@@ -75,7 +75,7 @@ PARSER_BEFORE = {
     "--max-position-embeddings": (None, None, 'int', None, False),
     "--memory-headroom-gb": (None, None, 'float', None, False),
     "--merge-file": (None, None, 'None', None, False),
-    "--micro-batch-size": (4, None, 'int', None, False),
+    "--micro-batch-size": (None, None, 'int', None, False),
     "--micro-batching":
         ('dynamic', ('padding', 'token-budget', 'packing', 'dynamic'), 'None', None, False),
     "--min-lr": (0.0, None, 'float', None, False),

@@ -59,7 +59,7 @@ class TrainConfig:
     micro_batching: str
     packing_algorithm: str
     dynamic_layout: str
-    micro_batch_size: int
+    micro_batch_size: int | None  # None: padding 4 rows, packing searched per batch
     pipeline_schedule: str
     num_planner_workers: int | str  # or "auto" (dynapipe_ext/plan/cluster.py)
     plan_prefetch: int
@@ -211,8 +211,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "tokens_per_global_batch", "train_iters", "log_interval",
-                 "max_position_embeddings", "micro_batch_size", "plan_prefetch"):
+                 "max_position_embeddings", "plan_prefetch"):
         need(getattr(cfg, name) > 0, f"--{flag(name)} must be > 0, got {getattr(cfg, name)}")
+    need(cfg.micro_batch_size is None or cfg.micro_batch_size > 0,
+         f"--micro-batch-size must be > 0, got {cfg.micro_batch_size}")
     need(cfg.kv_channels > 0 or cfg.hidden_size % max(cfg.num_attention_heads, 1) == 0,
          f"--hidden-size {cfg.hidden_size} is not divisible by --num-attention-heads "
          f"{cfg.num_attention_heads}")
@@ -557,6 +559,8 @@ def planner_workers(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
+PADDING_MICRO_BATCH_SIZE = 4   # rows per padded micro-batch when --micro-batch-size is not given
+
 # Groups: key -> argparse title (the order of --help and docs/FLAGS.md).
 MODEL, PARALLEL, FLEXTP, PLANNING, OPTIMIZER, DATA, CHECKPOINT = (
     "model", "parallel", "flextp", "planning", "optimizer", "data", "checkpoint")
@@ -678,9 +682,10 @@ FLAGS: tuple[Flag, ...] = (
                  "(default), one token stream of its samples (no padding but the "
                  "alignment at its end; attention within each sample), or 'padded', "
                  "the DynaPipe paper's one sample per row padded to the longest"),
-    declare(PLANNING, "--micro-batch-size", type=int, default=4,
-            help="rows per micro-batch for --micro-batching padding (packing groups its "
-                 "rows per batch by least predicted makespan)"),
+    declare(PLANNING, "--micro-batch-size", type=int, default=None,
+            help="rows per micro-batch for --micro-batching padding (default "
+                 f"{PADDING_MICRO_BATCH_SIZE}) and packing (packed rows; default: per global "
+                 "batch, the count of least predicted makespan); dynamic sizes its own"),
     declare(PLANNING, "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
             validated_by="IterationPlannerConfig",
             help="auto: per run the layout (linear, interleaved, wave) predicted fastest "

@@ -39,8 +39,9 @@ from megatron.model.stages import (build_rank_stages, build_transformer_config, 
                                    replica_groups)
 from megatron.checkpoint import checkpointing
 from megatron.planning import device_costs
-from megatron.training.arguments import (VOCAB_MULTIPLE, TrainConfig, check_device_precision,
-                                         pipeline_stage_count, split_units, virtual_stages)
+from megatron.training.arguments import (PADDING_MICRO_BATCH_SIZE, VOCAB_MULTIPLE, TrainConfig,
+                                         check_device_precision, pipeline_stage_count,
+                                         split_units, virtual_stages)
 from megatron.base.collectives import gather_from_ranks, problems_of_all_ranks
 from megatron.base.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
@@ -322,6 +323,15 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
 
 # ---------------------------------------------------------------------------- planning
 
+def fixed_micro_batch_size(cfg: TrainConfig) -> int | None:
+    """Rows per micro-batch the planner must use: --micro-batch-size for padding (default
+    PADDING_MICRO_BATCH_SIZE) and packing (None: the planner picks per batch); dynamic
+    micro-batching sizes every micro-batch itself (None)."""
+    if cfg.micro_batching == "padding":
+        return PADDING_MICRO_BATCH_SIZE if cfg.micro_batch_size is None else cfg.micro_batch_size
+    return cfg.micro_batch_size if cfg.micro_batching == "packing" else None
+
+
 def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int, comm: CommModel | None = None,
                    auto_layout: str = "linear") -> IterationPlannerConfig:
     """What the iteration planner needs to know about this run (picklable, for its workers),
@@ -334,7 +344,7 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int, comm: CommModel |
     split = PlannerConfig(
         model=cfg.model, max_seq_len=cfg.seq_length, max_dec_seq_len=cfg.decoder_seq_length,
         pipeline_stages=pp, data_parallel=dp, tokens_per_global_batch=cfg.tokens_per_global_batch,
-        micro_batch_size=cfg.micro_batch_size if cfg.micro_batching == "padding" else None,
+        micro_batch_size=fixed_micro_batch_size(cfg),
         # with --packing-window the sampler packed the rows already and emits them in an
         # order from which next-fit rebuilds them (megatron/data/sampler.py)
         packing_algorithm="nextfit" if cfg.packing_window else cfg.packing_algorithm,
