@@ -450,15 +450,17 @@ class SDPAttention(DotProductAttention):
         tensor cost about as much as a short segment's attention on a CPU)."""
         sq, rows = query.shape[:2]
         q_index, k_index, groups, written = self._gather_indices(mask, query.device)
-        queries = query.flatten(0, 1).index_select(0, q_index)      # [groups' tokens, heads, dim]
-        keys_all = key.flatten(0, 1).index_select(0, k_index)
-        values = value.flatten(0, 1).index_select(0, k_index)
-        outs, q0, k0 = [], 0, 0
-        for lq, lk, n, real_k in groups:
-            qg, kg, vg = (t[start: start + n * length].view(n, length, *t.shape[1:]).transpose(1, 2)
-                          for t, start, length in ((queries, q0, lq), (keys_all, k0, lk),
-                                                   (values, k0, lk)))
-            q0, k0 = q0 + n * lq, k0 + n * lk
+        # one split per tensor: its backward is one concatenation, where a slice per group
+        # would each make a zero gradient of the whole tensor (groups x tokens of work)
+        q_sizes = [n * lq for lq, _, n, _ in groups]
+        k_sizes = [n * lk for _, lk, n, _ in groups]
+        q_parts = query.flatten(0, 1).index_select(0, q_index).split(q_sizes)
+        k_parts = key.flatten(0, 1).index_select(0, k_index).split(k_sizes)
+        v_parts = value.flatten(0, 1).index_select(0, k_index).split(k_sizes)
+        outs = []
+        for (lq, lk, n, real_k), *parts in zip(groups, q_parts, k_parts, v_parts):
+            qg, kg, vg = (t.view(n, length, *t.shape[1:]).transpose(1, 2)
+                          for t, length in zip(parts, (lq, lk, lk)))
             keys = None if real_k is None or causal else real_k[:, None, None, :]
             if bias is None:
                 og = self._sdpa(qg, kg, vg, keys, causal)
