@@ -203,11 +203,9 @@ def test_segment_buckets_pad_at_most_one_eighth_or_to_the_granule():
 def test_segment_groups_are_split_so_their_backward_is_one_concatenation(world):
     """Each of q, k and v is gathered once and split into its groups: a slice per group
     would give each group a zero gradient of the whole gathered tensor in backward (groups x
-    tokens of work; a quarter of the attention's time on an 8192-token stream of 25 samples)."""
-    lengths = (100, 40, 97, 7, 300, 12)               # five segment shapes
-    assert len(length_groups(AttentionMask.of(Segments.from_lengths([lengths], 600)),
-                             segment_bucket)) == 5
-    mask = AttentionMask.of(Segments.from_lengths([lengths], 600))
+    tokens of work: 15-25% of one call's time on an 8192-token stream of 25 samples)."""
+    mask = AttentionMask.of(Segments.from_lengths([(100, 40, 97, 7, 300, 12)], 600))
+    assert len(length_groups(mask, segment_bucket)) == 5          # five segment shapes
     q, k, v = (torch.randn(600, 1, HEADS, DIM, requires_grad=True) for _ in range(3))
     out = core(SDPAttention, AttnMaskType.causal)(q, k, v, mask)
     names, seen, todo = [], set(), [out.grad_fn]
@@ -221,6 +219,7 @@ def test_segment_groups_are_split_so_their_backward_is_one_concatenation(world):
     assert names.count("SplitWithSizesBackward0") == 3
     assert not [n for n in names if n.startswith("SliceBackward")]
     assert len([n for n in names if n.startswith("ScaledDotProduct")]) == 5   # one per shape
+
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_segments_padded_to_a_shared_shape_compute_each_sample_alone(world, causal):
