@@ -117,14 +117,21 @@ def test_harness_counts_exactly_the_tokens_of_the_samples_it_trained_on(tiny_dat
     run_tool("tools/bench_throughput.py", "--data-path", tiny_data / "flan",
              "--tokenizer-model", tiny_data / "sp.model", "--models", "gpt",
              "--max-lengths", "128", "--tokens-per-global-batch", "512",
-             "--strategies", "packing+segment-attn", "dynamic",
-             "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
+             "--strategies", "packing+segment-attn", "packing+window", "dynamic",
+             "--packing-window", "250", "--warmup-iters", "1", "--iters", "1", "--num-layers", "2",
              "--hidden-size", "32", "--num-attention-heads", "2", "--nproc", "2",
              "--pp", "2", "--device", "cpu", "--timeout-minutes", "4",
              "--work-dir", tmp_path / "work", "--output", out, timeout=600)
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [r["strategy"] for r in rows] == ["packing+segment-attn", "dynamic"]
+    assert [r["strategy"] for r in rows] == ["packing+segment-attn", "packing+window", "dynamic"]
+    # provenance: what ran, where, when and under what load
+    assert result["complete"] and result["groups_done"] == [["gpt", 128]]
+    assert result["command"].startswith("python tools/bench_throughput.py --data-path ")
+    assert len(result["commit"]) >= 7 and result["date"].endswith(" UTC")
+    assert result["machine_fields"]["torch"] == torch.__version__
+    assert result["machine_fields"]["logical_cpus"] >= 1
+    assert len(result["load_average_before"]) == len(result["load_average_after"]) == 3
     for row in rows:
         assert "error" not in row, row.get("error")
         assert row["iterations"] == 1 and row["tokens_per_s"] > 0
@@ -144,10 +151,17 @@ def test_harness_counts_exactly_the_tokens_of_the_samples_it_trained_on(tiny_dat
         assert shares["mfu"] == row["mfu"] and sum(shares.values()) == pytest.approx(1.0)
         assert len(row["time_parts_per_rank"]) == 2
         assert all(p["forward"] > 0 and p["backward"] > 0 for p in row["time_parts_per_rank"])
-    # the same global batches for every strategy
-    assert rows[0]["batch_ids"] == rows[1]["batch_ids"]
-    # per-segment attention (one GPT layer on rank 0's stage) for packing+segment-attn and for
+    # the same global batches for every strategy but the one packed ahead, whose batches
+    # are whole rows of its window
+    assert rows[0]["batch_ids"] == rows[2]["batch_ids"] != rows[1]["batch_ids"]
+    # both packing rows train the rows their packer made, the one chosen for the most real
+    # tokens per slot (per batch; for the window, of the window packed ahead)
+    for row, window in zip(rows[:2], (0, 250)):
+        share = row["packer_real_per_slot"]
+        assert row["packing_window"] == window and max(share, key=share.get) == \
+            row["packing_algorithm"]
+        assert row["padding_efficiency_enc"] == pytest.approx(share[row["packing_algorithm"]])
+    # per-segment attention (one GPT layer on rank 0's stage) for both packings and for
     # dynamic's packed streams alike
-    assert rows[0]["segment_attention_modules"] == 1
-    assert rows[1]["segment_attention_modules"] == 1
+    assert [row["segment_attention_modules"] for row in rows] == [1, 1, 1]
     assert all(row["compiles_in_timed_iterations"] == 0 for row in rows)

@@ -1,17 +1,22 @@
 #!/usr/bin/env python
 """Training throughput of every micro-batching strategy on the same model, data and parallel
 layout: real training iterations of the project's training loop (`train_step`) under padding,
-packing (block-diagonal mask), packing with per-segment attention and dynamic (DynaPipe)
-micro-batching, after warm-up iterations.
+packing (block-diagonal mask), packing with per-segment attention, the same packing of rows
+packed ahead over a window of the data stream (packing+window: dataset-level packing, the
+trainer's --packing-window) and dynamic (DynaPipe) micro-batching, after warm-up iterations.
 
     python tools/bench_throughput.py --data-path DATA/flan --tokenizer-model DATA/sp.model \\
         --models gpt t5 --max-lengths 512 1024 2048 4096 --output docs/bench_throughput.json
 
 The parent launches one `torchrun --nproc-per-node N` group per (model, max length); inside it
-every strategy runs in turn (same processes, same weights, same global batches), so ratios are
-only taken between runs of one invocation. Each strategy plans with the run's cost model and
+every strategy runs in turn (same processes, same weights, same global batches but
+packing+window's, which are whole rows of its window), so ratios are only taken between runs of one invocation. Each strategy plans with the run's cost model and
 picks its schedule (auto: the faster of 1F1B and adaptive) and recompute mode per micro-batch;
-padding and packing get their best rows per micro-batch by predicted time. Recorded per run:
+padding gets its best rows per micro-batch by predicted time over the timed batches, packing
+per batch (the planner's search); each packing takes the packer with the most real tokens per
+slot on its own timed batches. The JSON (rewritten after every (model, max length)) records
+its provenance: commit, UTC date, exact command, machine, load average before and after.
+Recorded per run:
 real tokens/s (sample tokens, no pads; wall time from a barrier before the first measured
 iteration to one after the last), padding efficiency (encoder / decoder apart), peak memory
 per rank, micro-batch counts and shapes, planning time and plan-wait time.
@@ -22,12 +27,10 @@ per rank, micro-batch counts and shapes, planning time and plan-wait time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +44,8 @@ from dynapipe_ext.report.throughput import (STRATEGIES, add_ratios, merge_rounds
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES  # noqa: E402
 from tools.benchlib.launch import run_group  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
+from tools.benchlib.provenance import (cpu_model, provenance_end,  # noqa: E402
+                                       provenance_start)
 from tools.benchlib.throughput_plots import plot_padding, plot_speedup  # noqa: E402
 
 # ============================================================================ configuration
@@ -48,6 +53,14 @@ from tools.benchlib.throughput_plots import plot_padding, plot_speedup  # noqa: 
 def decoder_length(max_len: int) -> int:
     """T5 decoder max length for an encoder max length (as bench_planner: max(128, L/4))."""
     return max(128, max_len // 4)
+
+
+WINDOW = "packing+window"    # packing+segment-attn on rows packed ahead (--packing-window)
+
+
+def packer_of(job: dict, strategy: str) -> str:
+    """The packer a strategy's rows are packed with: the window's for packing+window."""
+    return job["window_packing_algorithm"] if strategy == WINDOW else job["packing_algorithm"]
 
 
 def train_flags(job: dict, strategy: str) -> list[str]:
@@ -62,7 +75,7 @@ def train_flags(job: dict, strategy: str) -> list[str]:
              "--micro-batching", strategy.split("+")[0],
              # dynamic: one token stream per micro-batch; dynamic+padded: the paper's rows
              "--dynamic-layout", "padded" if strategy == "dynamic+padded" else "packed",
-             "--packing-algorithm", job["packing_algorithm"],
+             "--packing-algorithm", packer_of(job, strategy),
              "--pipeline-schedule", job["pipeline_schedule"],
              "--train-iters", str(job["warmup_iters"] + job["iters"]),
              "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", str(job["seed"]),
@@ -72,6 +85,8 @@ def train_flags(job: dict, strategy: str) -> list[str]:
              "--data-path", job["data_path"], "--log-interval", "1",
              "--num-planner-workers", "1", "--plan-prefetch", "2",
              "--distributed-timeout-minutes", str(job["timeout_minutes"])]
+    if strategy == WINDOW:
+        flags += ["--packing-window", str(job["packing_window"])]
     if model == "t5":
         flags += ["--encoder-seq-length", str(max_len),
                   "--decoder-seq-length", str(decoder_length(max_len))]
@@ -318,7 +333,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
     micro_batch_size, tuning = None, {}
-    if strategy.split("+")[0] in ("padding", "packing"):
+    if strategy.split("+")[0] == "padding":
         micro_batch_size, tuning = tune_for(cfg, job, strategy)
     run = build_bench_run(cfg, job, micro_batch_size, strategy)
     # packing: one SDPA over the row with the block-diagonal mask (Megatron-style packing
@@ -373,8 +388,11 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "model": job["model"], "max_len": job["max_len"],
         "dec_max_len": decoder_length(job["max_len"]) if job["model"] == "t5" else 0,
         "strategy": strategy, "micro_batch_size": micro_batch_size,
-        "packing_algorithm": job["packing_algorithm"],
-        "packer_real_per_slot": job.get("packer_efficiency"),
+        "packing_algorithm": packer_of(job, strategy),
+        "packer_real_per_slot": job.get("window_packer_efficiency" if strategy == WINDOW
+                                        else "packer_efficiency"),
+        "packing_window": job["packing_window"] if strategy == WINDOW else 0,
+        "rows_per_micro_batch": sorted({m[0] for r in records for m in r["micro_batches"]}),
         "memory_gib": job["memory_gib"],
         "micro_batch_size_predicted_ms": tuning, "segment_attention_modules": replaced,
         "iterations": len(measured), "warmup_iterations": job["warmup_iters"],
@@ -425,32 +443,40 @@ def tune_for(cfg, job: dict, strategy: str):
     return tune_micro_batch_size(plan_cfg, batches)
 
 
-def best_packer(job: dict) -> tuple[str, dict]:
-    """The packer whose rows of the max length hold the most real tokens per slot (T5: the
-    mean of encoder and decoder) over the timed global batches, and every packer's share;
-    deterministic, so every rank picks the same."""
+def timed_batches(job: dict, strategy: str, algorithm: str) -> list:
+    """Lengths of the timed global batches of `strategy` packed with `algorithm`."""
     import numpy as np
 
-    from dynapipe_ext.batching.packing import ALGORITHMS, pack_pairs, pack_sequences
     from megatron.training.arguments import parse_args
     from megatron.training.training import open_training_data
-    cfg = parse_args(job["model"], train_flags(dict(job, packing_algorithm="nextfit"),
-                                               "packing"))
-    data = open_training_data(cfg, int(os.environ.get("RANK", "0")))
+    flags = train_flags(dict(job, packing_algorithm=algorithm,
+                             window_packing_algorithm=algorithm), strategy)
+    data = open_training_data(parse_args(job["model"], flags), int(os.environ.get("RANK", "0")))
     total = job["warmup_iters"] + job["iters"]
-    batches = [np.asarray(data.batch_lengths(i)) for i in range(job["warmup_iters"], total)]
+    return [np.asarray(data.batch_lengths(i)) for i in range(job["warmup_iters"], total)]
+
+
+def best_packer(job: dict, strategy: str = "packing") -> tuple[str, dict]:
+    """The packer whose rows of the max length hold the most real tokens per slot (T5: the
+    mean of encoder and decoder) over the timed global batches, and every packer's share;
+    deterministic, so every rank picks the same. For packing+window each packer packs the
+    window ahead (its global batches differ) and next-fit rebuilds its rows from a batch,
+    as the trainer does."""
+    from dynapipe_ext.batching.packing import ALGORITHMS, pack_pairs, pack_sequences
     share = {}
+    batches = None if strategy == WINDOW else timed_batches(job, strategy, "nextfit")
     for algorithm in ALGORITHMS:
         real = slots = 0.0
+        packer = "nextfit" if strategy == WINDOW else algorithm
         try:
-            for lengths in batches:
+            for lengths in batches or timed_batches(job, strategy, algorithm):
                 if job["model"] == "gpt":
-                    rows = len(pack_sequences(lengths, job["max_len"], algorithm))
+                    rows = len(pack_sequences(lengths, job["max_len"], packer))
                     real, slots = real + lengths.sum(), slots + rows * job["max_len"]
                 else:
                     dec_len = decoder_length(job["max_len"])
                     rows = len(pack_pairs(lengths[:, 0], lengths[:, 1], job["max_len"],
-                                          dec_len, algorithm))
+                                          dec_len, packer))
                     real += lengths[:, 0].sum() / job["max_len"] + lengths[:, 1].sum() / dec_len
                     slots += 2 * rows
         except ValueError:         # refused (e.g. NNLSHP's system too big): not a candidate
@@ -514,6 +540,10 @@ def worker_main(job_file: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if job["packing_algorithm"] == "best":    # before anything parses the job's flags
         job["packing_algorithm"], job["packer_efficiency"] = best_packer(job)
+    if WINDOW in job["strategies"]:
+        job["window_packing_algorithm"], job["window_packer_efficiency"] = (
+            best_packer(job, WINDOW) if job["window_packing_algorithm"] == "best"
+            else (job["window_packing_algorithm"], None))
     if job.get("cost_model") == "profile":
         ensure_profile(job)
     job["memory_gib"] = group_memory_gib(job)
@@ -612,14 +642,7 @@ def machine_description(device: str) -> str:
     if device == "cuda":
         import torch
         return f"{torch.cuda.get_device_name(0)} (CUDA), Python {platform.python_version()}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}"
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -662,6 +685,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="packer of the packing rows (and of dynamic's packing candidate); "
                         "'best' (default): the one with the most real tokens per slot on the "
                         "timed global batches, chosen per (model, max length) and recorded")
+    g.add_argument("--packing-window", type=int, default=4000,
+                   help="samples packed together ahead of training for packing+window (the "
+                        "trainer's --packing-window; default 4000: the whole FLAN sample of "
+                        "examples/reproduce_throughput.sh)")
     g.add_argument("--pipeline-schedule", default="auto", choices=PIPELINE_SCHEDULES,
                    help="the trainer's --pipeline-schedule, the same for every strategy")
     g.add_argument("--device-flops", type=float, default=None,
@@ -683,7 +710,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--output", default=str(ROOT / "docs" / "bench_throughput.json"))
     g.add_argument("--work-dir", default=None, help="job files and logs (default: a temp dir)")
-    g.add_argument("--command", default=None, help="command line to quote in the report")
+    g.add_argument("--command", default=None,
+                   help="the script that ran this command, quoted beside it (e.g. 'bash "
+                        "examples/reproduce_claims.sh')")
     g.add_argument("--verbose", action="store_true", help="trainer progress lines in the log")
     return p.parse_args(argv)
 
@@ -723,6 +752,7 @@ def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
                                        args.rows_per_global_batch * max_len),
         "rounds": args.rounds, "rows_per_global_batch": args.rows_per_global_batch,
         "packing_algorithm": args.packing_algorithm, "pipeline_schedule": args.pipeline_schedule,
+        "window_packing_algorithm": args.packing_algorithm, "packing_window": args.packing_window,
         "warmup_iters": args.warmup_iters, "iters": args.iters, "seed": args.seed,
         "data_path": str(Path(args.data_path).resolve()),
         "tokenizer_model": str(Path(args.tokenizer_model).resolve())
@@ -749,42 +779,51 @@ def main(argv=None) -> int:
     device = resolve_device(args)
     work = Path(args.work_dir or f"/tmp/bench_throughput_{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    start = provenance_start("python tools/bench_throughput.py " + shlex.join(argv))
+    groups = [(model, max_len) for model in args.models for max_len in args.max_lengths]
     rows: list[dict] = []
     with open(work / "workers.log", "a") as log:
-        for model in args.models:
-            for max_len in args.max_lengths:
-                job = make_job(args, model, max_len, device, work)
-                if device == "cpu":
-                    job["sgemm_flops"] = sgemm_rate()
-                t0 = time.perf_counter()
-                new = run_job(job, args.nproc, args.timeout_minutes * 60, log)
-                rows += new
-                print(f"[bench] {model} max length {max_len}: {len(new)} rows in "
-                      f"{time.perf_counter() - t0:.0f} s", flush=True)
-                for r in new:
-                    print("   ", r["strategy"], f"{r.get('tokens_per_s', 0):,.0f} tokens/s",
-                          f"MFU {percent(r.get('mfu'))}", r.get("error", ""), flush=True)
+        for done, (model, max_len) in enumerate(groups, 1):
+            job = make_job(args, model, max_len, device, work)
+            if device == "cpu":
+                job["sgemm_flops"] = sgemm_rate()
+            t0 = time.perf_counter()
+            new = run_job(job, args.nproc, args.timeout_minutes * 60, log)
+            rows += new
+            print(f"[bench] {model} max length {max_len}: {len(new)} rows in "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            for r in new:
+                print("   ", r["strategy"], f"{r.get('tokens_per_s', 0):,.0f} tokens/s",
+                      f"MFU {percent(r.get('mfu'))}", r.get("error", ""), flush=True)
+            # after every (model, max length): a cut-off run still leaves its groups
+            write_result(args, device, work, start, rows, groups[:done], len(groups))
+    print(f"[bench] wrote {args.output}")
+    return 0
+
+
+def write_result(args, device: str, work: Path, start: dict, rows: list[dict],
+                 done: list, total: int) -> None:
+    """The JSON of the groups run so far (`complete` once all are), written whole to a
+    temporary file first so that a cut-off write never leaves a broken file."""
     rows = merge_rounds(rows)
     add_ratios(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip()
+    prov = provenance_end(start)
     result = {
-        "command": args.command or "python tools/bench_throughput.py " + " ".join(argv),
-        "commit": commit, "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "device": device, "machine": machine_description(device),
-        "load_average_end": os.getloadavg(),
+        **prov, "invoked_by": args.command, "device": device,
+        "machine": machine_description(device),
+        "load_average_end": prov["load_average_after"],
+        "complete": len(done) == total, "groups_done": [list(g) for g in done],
         "settings": {k: repo_relative(v) if k in PATH_SETTINGS else v
                      for k, v in make_job(args, "gpt", max(args.max_lengths), device,
                                           work).items()
                      if k not in ("model", "max_len", "result_file", "strategies")},
         "strategies": list(args.strategies), "rows": rows,
-        "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=1))
-    print(f"[bench] wrote {args.output}")
-    return 0
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-STRATEGIES = ("padding", "packing", "packing+segment-attn", "dynamic+padded", "dynamic")
+STRATEGIES = ("padding", "packing", "packing+segment-attn", "packing+window", "dynamic+padded",
+              "dynamic")
 BASELINE = "packing"
 MFU_TARGET = 0.55      # issue 11: GPT dynamic at 2048 on this CPU
 MFU_PARTS = ("mfu", "padding", "waits", "other_compute", "descheduled", "host", "optimizer")
