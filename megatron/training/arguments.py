@@ -301,12 +301,16 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.bf16 and cfg.fp16), "--bf16 and --fp16 are mutually exclusive")
     need(not cfg.fp16, "--fp16 is not supported (it needs loss scaling); use --bf16, or fp32 "
                        "(the default)")
-    if cfg.tokenizer_type in ("SentencePieceTokenizer", "T5SentencePieceTokenizer"):
+    if cfg.tokenizer_type in ("SentencePieceTokenizer", "T5SentencePieceTokenizer",
+                              "HuggingFaceTokenizer"):
         need(bool(cfg.tokenizer_model),
              f"--tokenizer-type {cfg.tokenizer_type} needs --tokenizer-model")
     need(cfg.tokenizer_type != "T5SentencePieceTokenizer" or cfg.model == "t5",
          "--tokenizer-type T5SentencePieceTokenizer is for pretrain_t5.py (its ids end in "
          "eos and its decoder starts from pad)")
+    need(cfg.tokenizer_type != "HuggingFaceTokenizer" or cfg.model != "t5",
+         "--tokenizer-type HuggingFaceTokenizer is for decoder models (pretrain_gpt.py); "
+         "a T5 checkpoint's spiece.model goes with T5SentencePieceTokenizer")
     need(cfg.vocab_extra_ids is None or cfg.tokenizer_type == "T5SentencePieceTokenizer",
          f"--vocab-extra-ids applies to --tokenizer-type T5SentencePieceTokenizer, not "
          f"{cfg.tokenizer_type}")
@@ -316,7 +320,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--make-vocab-size-divisible-by must be > 0, got {cfg.make_vocab_size_divisible_by}")
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(cfg, name)
-        need(path is None or os.path.isfile(path), f"--{flag(name)} {path}: no such file")
+        wants_dir = name == "tokenizer_model" and cfg.tokenizer_type == "HuggingFaceTokenizer"
+        exists = os.path.isdir if wants_dir else os.path.isfile
+        need(path is None or exists(path),
+             f"--{flag(name)} {path}: no such {'directory' if wants_dir else 'file'}")
     try:
         parse_data_path(cfg.data_path)
     except ValueError as exc:
