@@ -1,8 +1,9 @@
 """On-disk layout of a tokenised multi-task dataset, and its crash-safe writer.
 
 For an output prefix P (folder D = dirname(P), name B = basename(P)):
-  P_tasks.json        the manifest: task table + tokenizer (with its fingerprint) + the name of
-                      the data folder and the sizes of its files; replaced in one atomic step
+  P_tasks.json        the manifest: task table + tokenizer (with its fingerprint) + the largest
+                      token id written (`max_token_id`) + the name of the data folder and the
+                      sizes of its files; replaced in one atomic step
   D/B.data-<id>/      the data of one write, never changed once the manifest names it:
       inputs.bin/.idx, targets.bin/.idx   Megatron indexed datasets, one sequence per sample
       task_ids.npy                        task id of every sample (int32)
@@ -140,6 +141,7 @@ class FlanDatasetWriter:
         self.cleanup: dict = {"removed": [], "not_removed": []}
         self._builders: dict = {}
         self._task_ids: list[int] = []
+        self.max_token_id = -1      # recorded in the manifest; a reader checks ids against it
 
     def _prepare(self) -> None:
         """Create the hidden folder (after removing stale ones of dead runs for this prefix)."""
@@ -194,6 +196,8 @@ class FlanDatasetWriter:
             if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
                 raise ValueError(f"token id out of range [0, {self.vocab_size}) in {side}")
             arrays[side] = arr
+            if arr.size:
+                self.max_token_id = max(self.max_token_id, int(arr.max()))
         for side, arr in arrays.items():
             try:
                 self._builders[side].add_document(arr, [arr.size])
@@ -233,7 +237,8 @@ class FlanDatasetWriter:
             path = os.path.join(self.out_dir, data_name)
             os.rename(self.work_dir, path)
             self.data_dir = path
-            manifest = dict(task_table, format=TABLE_FORMAT, data_dir=data_name, files=sizes)
+            manifest = dict(task_table, format=TABLE_FORMAT, data_dir=data_name, files=sizes,
+                            max_token_id=self.max_token_id)
             path = os.path.join(self.data_dir, "manifest.json.tmp")
             with open(path, "w") as f:
                 json.dump(manifest, f, indent=1)

@@ -10,6 +10,7 @@ The input may be empty (a zero-shot sample): GPT then sees the target only (targ
 loss on every prediction), T5 an encoder input of just [eos]."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,30 @@ def open_indexed(idx_path: str):
     if header != indexed_dataset._INDEX_HEADER:
         raise ValueError("not a Megatron indexed dataset index (bad header)")
     return indexed_dataset.IndexedDataset(idx_path[:-len(".idx")])
+
+
+def check_index_fits_data(indexed, idx_path: str) -> None:
+    """ValueError naming `idx_path` and the first sample whose length and offset do not tile
+    its .bin file (a damaged index would otherwise fail only when that sample is drawn, naming
+    neither file nor sample). Reads the index only: O(samples)."""
+    bin_path = idx_path[:-len(".idx")] + ".bin"
+    bin_bytes = os.path.getsize(bin_path)
+    lengths = indexed.sequence_lengths.astype(np.int64)
+    starts = indexed.index.sequence_pointers.astype(np.int64)
+    if len(lengths) == 0:
+        return
+    ends = starts + lengths * indexed.index.dtype_size
+    follows = np.append(starts[1:], bin_bytes)     # where each sample's successor begins
+    bad = np.flatnonzero((lengths < 0) | (ends != follows))
+    if starts[0] != 0:
+        raise ValueError(f"{idx_path}: damaged: sample 0 starts at byte {starts[0]} of "
+                         f"{bin_path}, not 0; rebuild the dataset with tools/preprocess_flan.py")
+    if bad.size:
+        i = int(bad[0])
+        after = f"sample {i + 1} starts" if i + 1 < len(lengths) else "the file ends"
+        raise ValueError(f"{idx_path}: damaged: sample {i} of {lengths[i]} tokens would end at "
+                         f"byte {ends[i]} of {bin_path}, where {after} at byte {follows[i]}; "
+                         f"rebuild the dataset with tools/preprocess_flan.py")
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,9 @@ class MultiTaskDataset:
         self.table, paths = dataset_paths(prefix)
         self._inputs = read_dataset_file(paths["inputs"] + ".idx", open_indexed)
         self._targets = read_dataset_file(paths["targets"] + ".idx", open_indexed)
+        self._bin_paths = {side: paths[side] + ".bin" for side in ("inputs", "targets")}
+        for side, indexed in (("inputs", self._inputs), ("targets", self._targets)):
+            check_index_fits_data(indexed, paths[side] + ".idx")
         self.task_ids = read_dataset_file(
             paths["task_ids"], lambda path: np.load(path, allow_pickle=False).astype(np.int64))
         self.input_lengths = self._inputs.sequence_lengths.astype(np.int64)
@@ -91,6 +119,11 @@ class MultiTaskDataset:
                 int(self.table["vocab_size"]), dict(self.table["tokenizer"])))
         sizes = {"inputs": len(self.input_lengths), "targets": len(self.target_lengths),
                  "task ids": len(self.task_ids), "task table": int(self.table["num_samples"])}
+        # written by preprocessing since it was recorded; older manifests: the vocabulary
+        self.max_token_id = int(self.table.get("max_token_id", self.vocab_size - 1))
+        if self.max_token_id >= self.vocab_size:
+            raise ValueError(f"{manifest_path(prefix)}: records token ids up to "
+                             f"{self.max_token_id}, past its vocabulary of {self.vocab_size}")
         if len(set(sizes.values())) != 1:
             raise ValueError(f"dataset at {prefix!r} is inconsistent: sample counts {sizes}")
         if len(self.task_ids) and (self.task_ids.min() < 0
@@ -106,10 +139,24 @@ class MultiTaskDataset:
         return int(i) % len(self)
 
     def input_ids(self, i: int) -> np.ndarray:
-        return self._inputs[self._check_index(i)].astype(np.int64)
+        return self._checked_ids("inputs", self._inputs, i)
 
     def target_ids(self, i: int) -> np.ndarray:
-        return self._targets[self._check_index(i)].astype(np.int64)
+        return self._checked_ids("targets", self._targets, i)
+
+    def _checked_ids(self, side: str, indexed, i: int) -> np.ndarray:
+        """Sample i's ids of one side, each within [0, max_token_id] (a flipped bit or data of
+        a larger tokenizer would index past the embedding: an IndexError at TP=1, and at TP>1
+        silently masked by the vocab-parallel embedding)."""
+        i = self._check_index(i)
+        ids = indexed[i].astype(np.int64)
+        if ids.size and (ids.max() > self.max_token_id or ids.min() < 0):
+            bad = int(ids.max() if ids.max() > self.max_token_id else ids.min())
+            raise ValueError(f"{self._bin_paths[side]}: sample {i} holds token id {bad}, outside "
+                             f"0..{self.max_token_id} ({manifest_path(self.prefix)}: vocabulary "
+                             f"of {self.vocab_size}); the file is damaged or was written with "
+                             f"another tokenizer: rebuild it with tools/preprocess_flan.py")
+        return ids
 
     def task_id(self, i: int) -> int:
         return int(self.task_ids[self._check_index(i)])
