@@ -173,6 +173,27 @@ def test_t5_layers_can_come_from_the_encoder_and_decoder_flags(capsys):
     assert "--decoder-num-layers" in capsys.readouterr().err
 
 
+def test_virtual_stage_size_counts_the_t5_encoder_and_decoder_flags():
+    """Megatron's --num-layers-per-virtual-pipeline-stage divides all of T5's layers, the
+    encoder's and the decoder's, also when they come from their own flags."""
+    from megatron.training.arguments import pipeline_stage_count, virtual_stages
+    argv = [a for a in BASE]
+    at = argv.index("--num-layers")
+    del argv[at:at + 2]
+    cfg = parse_args("t5", argv + ["--encoder-num-layers", "6", "--decoder-num-layers", "6",
+                                   "--pipeline-model-parallel-size", "2",
+                                   "--pipeline-schedule", "interleaved",
+                                   "--num-layers-per-virtual-pipeline-stage", "2"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 3 and pipeline_stage_count(cfg) == 6   # 12 / (2 x 2)
+    cfg = parse_args("t5", argv + ["--num-layers", "4", "--decoder-num-layers", "2",
+                                   "--pipeline-model-parallel-size", "2",
+                                   "--pipeline-schedule", "interleaved",
+                                   "--num-layers-per-virtual-pipeline-stage", "1"],
+                     has_cuda=False)
+    assert virtual_stages(cfg) == 3      # 4 encoder + 2 decoder layers / (2 x 1)
+
+
 def test_global_batch_size_in_samples_or_a_token_budget_not_both(capsys):
     cfg = parse_args("gpt", BASE + ["--global-batch-size", "16", "--seq-length", "256"],
                      has_cuda=False)

@@ -312,8 +312,14 @@ def test_gpt_cut_in_half_layers_trains_as_the_uncut_model(sp_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_t5_pp2_dynamic_trains(sp_dataset, tmp_path):
-    args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--num-layers",
-                                      "1", "--micro-batching", "dynamic",
+    """T5 at PP=2 interleaved, its layers from --encoder-num-layers / --decoder-num-layers and
+    the virtual stages from Megatron's --num-layers-per-virtual-pipeline-stage (4 layers / (2
+    ranks x 1) = 2 stages per rank)."""
+    args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2",
+                                      "--encoder-num-layers", "2", "--decoder-num-layers", "2",
+                                      "--pipeline-schedule", "interleaved",
+                                      "--num-layers-per-virtual-pipeline-stage", "1",
+                                      "--micro-batching", "dynamic",
                                       "--encoder-seq-length", "128", "--decoder-seq-length",
                                       "32", "--train-iters", "6"]
     stats = torchrun("pretrain_t5.py", args, tmp_path / "t5.jsonl")

@@ -988,7 +988,7 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
                                           30.0 if has_cuda else 2.0),
         tokens_per_global_batch=tokens, global_batch_size=given(args.global_batch_size, 0),
         num_virtual_stages_per_pipeline_rank=virtual_stages_given(
-            args, (args.num_layers or 0) + decoder_layers),
+            args, num_layers + decoder_layers),
         cost_model=given(args.cost_model, default_cost_model(has_cuda)),
         lr_decay_iters=given(args.lr_decay_iters, max(args.train_iters, args.lr_warmup_iters)),
         lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0))
