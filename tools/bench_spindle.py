@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from dynapipe_ext.spindle.configs import (CONFIGS, FULL_RECOMPUTE, Accelerator, 
 from dynapipe_ext.spindle.scheduler import (Cluster, compare, lower_bound_s,  # noqa: E402
                                             spindle_plan)
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_BYTES = 80 * 2**30
@@ -154,13 +156,16 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
+    start = provenance_start("python tools/bench_spindle.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     table = rows(args.devices)
     text = markdown(table)
     print(text)
     if not args.no_write:
         write_section(REPO / "docs/BENCHMARKS.md", "spindle", "Spindle: multi-task multi-modal "
                       "wavefront scheduling (SIMULATION)", text)
-        (REPO / "docs/bench_spindle.json").write_text(json.dumps(table, indent=1) + "\n")
+        result = {**provenance_end(start), "rows": table}
+        (REPO / "docs/bench_spindle.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

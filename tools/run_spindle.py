@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from megatron.spindle.runtime import WaveRuntime  # noqa: E402
 from megatron.training.arguments import add_flag_group  # noqa: E402
 from megatron.base.distributed_setup import end_process, setup_model_parallel  # noqa: E402
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 from tools.benchlib.workloads import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +51,8 @@ def main(argv=None) -> None:
                    hidden_size=dict(required=False, default=32))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    start = provenance_start("torchrun --nproc_per_node 2 tools/run_spindle.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(1)
     setup_model_parallel(1, 1, seed=args.seed)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -78,10 +82,10 @@ def main(argv=None) -> None:
             if i >= args.warmup:
                 times[s].append(t)
     if rank == 0:
-        report(args, cfg, est, plans, times)
+        report(args, cfg, est, plans, times, start)
 
 
-def report(args, cfg, est, plans, times) -> None:
+def report(args, cfg, est, plans, times, start: dict) -> None:
     tokens = iteration_tokens(cfg)
     rows = []
     for s in STRATEGIES:
@@ -136,7 +140,8 @@ def report(args, cfg, est, plans, times) -> None:
     if not args.no_write:
         write_section(REPO / "docs/BENCHMARKS.md", "spindle-run",
                       "Spindle measured run (2 processes, this machine)", text)
-        (REPO / "docs/bench_spindle_run.json").write_text(json.dumps(rows, indent=1) + "\n")
+        result = {**provenance_end(start), "rows": rows}
+        (REPO / "docs/bench_spindle_run.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
