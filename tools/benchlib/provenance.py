@@ -52,7 +52,7 @@ def provenance_start(command: str) -> dict:
     started = datetime.datetime.now(datetime.timezone.utc)
     return {"commit": commit, "commit_dirty": dirty,
             "date": started.strftime("%Y-%m-%d %H:%M UTC"), "started_utc": started.isoformat(),
-            "command": command, "machine_fields": machine_fields(),
+            "command": command.strip(), "machine_fields": machine_fields(),
             "load_average_before": list(os.getloadavg())}
 
 
