@@ -1,5 +1,5 @@
-"""Where a benchmark's figures come from, as its JSON records them: the commit (and whether
-tracked files differed from it), the UTC start date, the exact command, the machine (CPU
+"""Where a benchmark's figures come from, as its JSON records them: the commit (and the tracked
+files that differed from it), the UTC start date, the exact command, the machine (CPU
 model, logical cores, Python, torch) and the load average before and after the run."""
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> tuple[str, bool]:
-    """(short commit of HEAD, whether tracked files differ from it); ("unknown", False)
-    outside a git checkout."""
+def git_commit() -> tuple[str, list[str]]:
+    """(short commit of HEAD, tracked files that differ from it); ("unknown", []) outside a
+    git checkout."""
     def git(*args) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, text=True,
                               capture_output=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
-        return "unknown", False
-    return commit, bool(git("status", "--porcelain", "--untracked-files=no"))
+        return "unknown", []
+    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    return commit, [line[3:] for line in changed]
 
 
 def machine_fields() -> dict:
@@ -48,9 +49,9 @@ def machine_fields() -> dict:
 
 def provenance_start(command: str) -> dict:
     """The provenance fields known when a run starts (see provenance_end)."""
-    commit, dirty = git_commit()
+    commit, changed = git_commit()
     started = datetime.datetime.now(datetime.timezone.utc)
-    return {"commit": commit, "commit_dirty": dirty,
+    return {"commit": commit, "uncommitted_changes": changed,
             "date": started.strftime("%Y-%m-%d %H:%M UTC"), "started_utc": started.isoformat(),
             "command": command.strip(), "machine_fields": machine_fields(),
             "load_average_before": list(os.getloadavg())}
