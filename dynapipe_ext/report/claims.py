@@ -329,7 +329,7 @@ def hanayo_memory(docs: dict) -> str:
 
 
 def hanayo_table(docs: dict) -> str:
-    """Hanayo's measured memory beside 1F1B's and the paper's claim, per textbook case."""
+    """The wave's simulated peak memory beside 1F1B's and the paper's claim, per textbook case."""
     book = docs["bench_schedules.json"]["textbook"]
     lines = ["| P | m | 1F1B peak (model copies) | wave W=1 / 2 / 4 peak, no cap | wave fits "
              "under 1F1B's peak (W=1 / 2 / 4) | wave bubble, no cap / 1F1B's | the paper |",
