@@ -419,6 +419,23 @@ def test_wave_and_interleaved_flags_set_the_stage_count(capsys):
     assert "T5 stages hold whole layers" in err
 
 
+def test_every_declared_schedule_is_a_flag_value_cut_on_its_layout(capsys):
+    """--pipeline-schedule takes each schedule of the registry, cuts the model into the
+    stages of the layout it is declared on, and its help carries the schedule's summary."""
+    from megatron.training.arguments import pipeline_stage_count
+    from dynapipe_ext.schedule.registry import SCHEDULES, layout_stages
+    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "8"]
+    for decl in SCHEDULES.values():
+        cfg = parse_args("gpt", BASE + pp2 + ["--pipeline-schedule", decl.name], has_cuda=False)
+        assert pipeline_stage_count(cfg) == len(layout_stages(decl.home_layout, 2))
+    with pytest.raises(SystemExit):
+        parse_args("gpt", BASE + ["--help"], has_cuda=False)
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{d.name}: {d.summary}" in help_text for d in SCHEDULES.values())
+    assert "invalid choice: 'zigzag'" in parse_or_exit_message(
+        capsys, "gpt", BASE + ["--pipeline-schedule", "zigzag"])
+
+
 @pytest.mark.parametrize("model", ["gpt", "t5"])
 def test_measured_schedule_bench_runs_each_schedule_on_its_stage_count(model, tmp_path):
     """tools/bench_pipeline_training.py: PP=2 with 2 stages (1f1b, adaptive, auto's default)

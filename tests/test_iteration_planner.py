@@ -7,7 +7,7 @@ import pytest
 
 from dynapipe_ext.costs.cost_model import CostModel, StageCostArrays
 from dynapipe_ext.plan.iteration_planner import (CostModelSource, IterationPlannerConfig,
-                                            choose_auto_layout, iteration_plan_fn,
+                                            build_cost_model, choose_auto_layout, iteration_plan_fn,
                                             pipeline_layout, plan_iteration,
                                             schedule_candidates, split_that_runs)
 from dynapipe_ext.costs.model_spec import ModelSpec
@@ -82,6 +82,37 @@ def test_same_inputs_give_byte_identical_plans(model):
     assert first.plan_bytes == again.plan_bytes
     other = plan_iteration(6, lengths, config)
     assert other.plan_bytes != first.plan_bytes  # the iteration number is in the plan
+
+
+def test_every_declared_schedule_runs_by_name_and_among_autos_candidates():
+    """A schedule declared in the registry is a --pipeline-schedule value that plans on its own
+    layout, and `auto` tries it on every layout it is declared for (built and simulated)."""
+    from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES
+    from dynapipe_ext.schedule.registry import SCHEDULES, layout_of, layout_stages
+    from dynapipe_ext.schedule.schedule_search import evaluate_candidates, micro_batch_costs
+    lengths = gpt_lengths(3)
+    for decl in SCHEDULES.values():
+        assert decl.name in PIPELINE_SCHEDULES
+        config = gpt_config(decl.name)
+        assert pipeline_layout(config) == layout_stages(decl.home_layout, 2)
+        plan = plan_iteration(3, lengths, config)
+        assert all(s.startswith(decl.name) for s in plan.schedules), plan.schedules
+        for layout in decl.layouts if decl.in_auto else ():
+            auto = gpt_config("auto", auto_layout=layout)
+            assert decl.name in schedule_candidates(auto)
+            micro_batches = plan_iteration(3, lengths, auto).batch_plan.replicas[0]
+            cost_model = build_cost_model(auto.cost_model, GPT, 1, 2)
+            found = evaluate_candidates(
+                micro_batch_costs(micro_batches, cost_model, GPT), float("inf"), 2,
+                schedule_candidates(auto), adaptive_layout=pipeline_layout(auto))
+            built = [c for c in found if c.name.startswith(decl.name)]
+            assert built and all(c.result is not None for c in built), [c.reason for c in found]
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule\(s\) \['zigzag'\]"):
+        evaluate_candidates(lambda n: None, 1.0, 2, ("zigzag",))
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'; choose from"):
+        layout_of("zigzag")
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
+        gpt_config("zigzag")
 
 
 def test_layout_is_fixed_per_schedule_choice():

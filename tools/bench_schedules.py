@@ -36,8 +36,9 @@ from dynapipe_ext.plan.lowering import lower  # noqa: E402
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 from dynapipe_ext.plan.plan_checker import check_plans  # noqa: E402
 from dynapipe_ext.batching.planners import PlannerConfig, plan_micro_batches  # noqa: E402
-from dynapipe_ext.schedule.schedule_search import (DEFAULT_CANDIDATES, evaluate_candidates,  # noqa: E402
-                                          micro_batch_costs, search_schedule)
+from dynapipe_ext.schedule.registry import SCHEDULE_NAMES, auto_candidates  # noqa: E402
+from dynapipe_ext.schedule.schedule_search import (evaluate_candidates,  # noqa: E402
+                                                   micro_batch_costs, search_schedule)
 from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # noqa: E402
 from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts  # noqa: E402
 from dynapipe_ext.batching.synthetic import flan_like_lengths  # noqa: E402
@@ -88,7 +89,6 @@ def candidate_rows(found, limit: float) -> dict:
     return rows
 
 
-PLANNED_CANDIDATES = ("1f1b", "adaptive", "interleaved", "wave")
 TEXTBOOK_COLUMNS = (("1f1b", "1f1b", 1), ("interleaved2", "interleaved", 2),
                     ("interleaved4", "interleaved", 4), ("wave1", "wave", 1),
                     ("wave2", "wave", 2), ("wave4", "wave", 4), ("adaptive", "adaptive", 1))
@@ -108,7 +108,7 @@ def textbook(num_ranks: int, num_mb: int) -> dict:
     cells = {}
     for limit_name, limit in (("capped", cap), ("free", np.inf)):
         found = {c.name: c for c in evaluate_candidates(
-            costs, limit, num_ranks, ("1f1b", "adaptive", "interleaved", "wave"),
+            costs, limit, num_ranks, SCHEDULE_NAMES,
             waves=(1, 2, 4), chunks=(2, 4))}
         for label, _, per_rank in TEXTBOOK_COLUMNS:
             cand = found[label]
@@ -163,7 +163,7 @@ def compare(num_ranks: int, strategy: str, num_samples: int, seed: int) -> dict:
     mbs, model = planned_micro_batches(num_ranks, strategy, num_samples, seed)
     source = micro_batch_costs(mbs, model, SPEC)
     limit = model.activation_memory_limit(num_stages=num_ranks)
-    found = evaluate_candidates(source, limit, num_ranks, PLANNED_CANDIDATES, COMM,
+    found = evaluate_candidates(source, limit, num_ranks, SCHEDULE_NAMES, COMM,
                                 waves=(1, 2), chunks=(2,))
     return {"P": num_ranks, "strategy": strategy, "num_micro_batches": len(mbs),
             "time_cv": time_cv(source(num_ranks)), "memory_limit_bytes": limit,
@@ -181,7 +181,7 @@ def synthetic(num_ranks: int, num_mb: int, seed: int) -> dict:
         return PipelineCosts(per, 2 * per, act_bytes=per * 1e6, comm_bytes=per * 1e5)
     base = evaluate_candidates(for_stages, np.inf, num_ranks, ("1f1b",), COMM)[0].result
     limit = base.max_peak_memory_bytes
-    found = evaluate_candidates(for_stages, limit, num_ranks, PLANNED_CANDIDATES, COMM,
+    found = evaluate_candidates(for_stages, limit, num_ranks, SCHEDULE_NAMES, COMM,
                                 waves=(1, 2), chunks=(2,))
     return {"P": num_ranks, "strategy": "synthetic-lognormal", "num_micro_batches": num_mb,
             "time_cv": float(t.std() / t.mean()), "memory_limit_bytes": limit,
@@ -213,8 +213,8 @@ def timed(fn, *args, **kwargs):
 PLAN_PHASES = ("search", "lower", "check")
 TIMED_CANDIDATES = (("1f1b", ("1f1b",)), ("adaptive", ("adaptive",)),
                     ("interleaved2", ("interleaved",)), ("wave1", ("wave",)),
-                    ("auto (linear layout)", ("1f1b", "adaptive")),
-                    ("all four", DEFAULT_CANDIDATES))
+                    ("auto (linear layout)", auto_candidates("linear")),
+                    ("all four", SCHEDULE_NAMES))
 
 
 def generate_plans(mbs, costs, limit: float, num_ranks: int, candidates) -> dict:

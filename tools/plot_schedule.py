@@ -31,12 +31,11 @@ from dynapipe_ext.plan.lowering import action_ms_from_costs, lower  # noqa: E402
 from dynapipe_ext.batching.microbatch import MicroBatch  # noqa: E402
 from dynapipe_ext.costs.model_spec import ModelSpec  # noqa: E402
 from dynapipe_ext.plan.plan_checker import check_plans  # noqa: E402
+from dynapipe_ext.schedule.registry import SCHEDULE_NAMES  # noqa: E402
 from dynapipe_ext.schedule.schedule_search import costs_for, micro_batch_costs, search_schedule  # noqa
 from dynapipe_ext.schedule.simulator import CommModel, transfer_matrix  # noqa: E402
 from dynapipe_ext.plan.trace import (draw_gantt, events_from_records,  # noqa: E402
                                 events_from_simulation, write_chrome_trace)
-
-SCHEDULES = ("1f1b", "adaptive", "wave", "interleaved")
 
 
 def flan_like_micro_batches(num_mbs: int, seed: int, model: str) -> list[MicroBatch]:
@@ -144,7 +143,7 @@ def emulate(plans, costs, scale: float) -> list:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="adaptive")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="adaptive")
     p.add_argument("--num-stages", type=int, default=4, help="pipeline ranks P")
     p.add_argument("--num-micro-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)

@@ -50,14 +50,15 @@ from dynapipe_ext.costs.model_spec import ModelSpec
 from dynapipe_ext.batching.planners import (STRATEGIES, PlannerConfig, PlanningError, memory_limit_of,
                        plan_micro_batches)
 from dynapipe_ext.batching.replica_split import deal_samples
-from dynapipe_ext.schedule.schedule_ir import interleaved_layout, linear_layout, wave_layout
+from dynapipe_ext.schedule.registry import (LAYOUT_NAMES, SCHEDULE_NAMES, auto_candidates,
+                                            layout_of, layout_stages)
 from dynapipe_ext.schedule.schedule_search import (best_candidate, evaluate_candidates, forward_only_candidates,
                               micro_batch_costs)
 from dynapipe_ext.schedule.schedules import MemoryLimitError
 from dynapipe_ext.schedule.simulator import CommModel
 
-PIPELINE_SCHEDULES = ("auto", "1f1b", "adaptive", "interleaved", "wave")
-AUTO_LAYOUTS = ("linear", "interleaved", "wave")
+PIPELINE_SCHEDULES = ("auto",) + SCHEDULE_NAMES
+AUTO_LAYOUTS = LAYOUT_NAMES
 REPLICA_SPLITS = ("micro-batches", "samples")
 COST_MODEL_KINDS = ("analytic", "profile")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -179,31 +180,18 @@ def pipeline_layout(config: IterationPlannerConfig) -> tuple[int, ...]:
                         config.auto_layout)
 
 
-def layout_family(pipeline_schedule: str, auto_layout: str = "linear") -> str:
-    """'linear', 'interleaved' or 'wave': the layout a schedule family runs on."""
-    if pipeline_schedule == "auto":
-        return auto_layout
-    return pipeline_schedule if pipeline_schedule in ("interleaved", "wave") else "linear"
-
-
 def stage_layout(pipeline_schedule: str, pp: int, waves: int = 1, virtual_stages: int = 2,
                  auto_layout: str = "linear") -> tuple[int, ...]:
-    """Stage -> pipeline rank of a schedule family: Hanayo's waves for 'wave', Megatron's
-    interleaving for 'interleaved', else linear ('auto': that of `auto_layout`)."""
-    family = layout_family(pipeline_schedule, auto_layout)
-    if family == "wave":
-        return wave_layout(pp, waves)
-    if family == "interleaved":
-        return interleaved_layout(pp, virtual_stages)
-    return linear_layout(pp)
+    """Stage -> pipeline rank of a run of `pipeline_schedule` (registry: the layout it is
+    declared on; 'auto': `auto_layout`)."""
+    return layout_stages(layout_of(pipeline_schedule, auto_layout), pp, waves, virtual_stages)
 
 
 def schedule_candidates(config: IterationPlannerConfig) -> tuple[str, ...]:
     """The schedules the search may pick from; all share `pipeline_layout(config)`."""
     if config.pipeline_schedule != "auto":
         return (config.pipeline_schedule,)
-    return {"linear": ("1f1b", "adaptive"), "interleaved": ("interleaved", "adaptive"),
-            "wave": ("wave", "adaptive")}[config.auto_layout]
+    return auto_candidates(config.auto_layout)
 
 
 def choose_auto_layout(config: IterationPlannerConfig, lengths) -> IterationPlannerConfig:

@@ -22,13 +22,12 @@ import numpy as np
 from dynapipe_ext.costs.cost_model import CostModel
 from dynapipe_ext.batching.microbatch import MicroBatch
 from dynapipe_ext.costs.model_spec import ModelSpec, stage_output_shapes
+from dynapipe_ext.schedule.registry import (LAYOUTS, SCHEDULE_NAMES, BuildRequest, layout_params,
+                                            schedule_decl)
 from dynapipe_ext.schedule.schedule_ir import Schedule, ScheduleError, forward_only
-from dynapipe_ext.schedule.schedules import (MemoryLimitError, adaptive_search, fit_levels, hanayo_levels,
-                        interleaved_levels, one_f_one_b)
+from dynapipe_ext.schedule.schedules import MemoryLimitError
 from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts, SimResult, simulate
 
-SCHEDULE_NAMES = ("1f1b", "adaptive", "wave", "interleaved")
-DEFAULT_CANDIDATES = ("1f1b", "adaptive", "interleaved", "wave")
 CostSource = Union[PipelineCosts, Mapping[int, PipelineCosts], Callable[[int], PipelineCosts]]
 
 
@@ -61,34 +60,23 @@ def costs_for(costs: CostSource, num_stages: int) -> PipelineCosts:
     return found
 
 
-def _build(name: str, arg: int, costs: PipelineCosts, num_ranks: int, memory_limit: float,
-           comm: CommModel | None, adaptive_layout: tuple[int, ...] | None) -> Schedule:
-    num_mb = costs.num_micro_batches
-    if name == "1f1b":
-        return one_f_one_b(num_mb, num_ranks)
-    if name == "adaptive":
-        return adaptive_search(costs, memory_limit, comm, stage_to_rank=adaptive_layout).schedule
-    if name == "wave":
-        return fit_levels(hanayo_levels(num_mb, num_ranks, arg), costs, memory_limit,
-                          f"wave{arg}", comm)
-    return fit_levels(interleaved_levels(num_mb, num_ranks, arg), costs, memory_limit,
-                      f"interleaved{arg}", comm)
-
-
 def _variants(name: str, num_ranks: int, waves: Sequence[int], chunks: Sequence[int],
               adaptive_layout: tuple[int, ...] | None):
-    """(label, build argument, stage count) of each schedule a candidate name stands for."""
-    if name == "1f1b":
-        return [(name, 0, num_ranks)]
-    if name == "adaptive":
-        return [(name, 0, len(adaptive_layout) if adaptive_layout else num_ranks)]
-    if name == "wave":
-        return [(f"wave{w}", w, 2 * w * num_ranks) for w in waves]
-    return [(f"interleaved{v}", v, v * num_ranks) for v in chunks]
+    """(label, layout parameter, stage -> rank) of each schedule a candidate name stands for:
+    one per value of its layout's parameter; a schedule declared for several layouts runs
+    once, on `adaptive_layout` (default linear)."""
+    decl = schedule_decl(name)
+    layout = LAYOUTS[decl.home_layout]
+    if len(decl.layouts) > 1 and adaptive_layout is not None:
+        return [(name, 0, adaptive_layout)]
+    if not layout.param:
+        return [(name, 0, layout.stages(num_ranks, 0))]
+    values = layout_params(waves, chunks)[layout.param]
+    return [(f"{name}{v}", v, layout.stages(num_ranks, v)) for v in values]
 
 
 def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
-                        candidates: Sequence[str] = DEFAULT_CANDIDATES,
+                        candidates: Sequence[str] = SCHEDULE_NAMES,
                         comm: CommModel | None = None, waves: Sequence[int] = (1,),
                         chunks: Sequence[int] = (2,),
                         adaptive_layout: Sequence[int] | None = None) -> list[Candidate]:
@@ -105,10 +93,11 @@ def evaluate_candidates(costs: CostSource, memory_limit: float, num_ranks: int,
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     found = []
     for name in candidates:
-        for label, arg, num_stages in _variants(name, num_ranks, waves, chunks, layout):
+        for label, param, s2r in _variants(name, num_ranks, waves, chunks, layout):
             try:
-                stage_costs = costs_for(costs, num_stages)
-                schedule = _build(name, arg, stage_costs, num_ranks, memory_limit, comm, layout)
+                stage_costs = costs_for(costs, len(s2r))
+                schedule = schedule_decl(name).build(BuildRequest(
+                    stage_costs, num_ranks, s2r, param, memory_limit, comm))
                 found.append(Candidate(label, schedule, simulate(schedule, stage_costs, comm)))
             except (ValueError, ScheduleError) as err:   # MemoryLimitError included
                 found.append(Candidate(label, None, None, str(err)))
@@ -144,7 +133,7 @@ def best_candidate(found: Sequence[Candidate], memory_limit: float) -> Candidate
 
 
 def search_schedule(costs: CostSource, memory_limit: float, num_ranks: int,
-                    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+                    candidates: Sequence[str] = SCHEDULE_NAMES,
                     comm: CommModel | None = None, waves: Sequence[int] = (1,),
                     chunks: Sequence[int] = (2,),
                     adaptive_layout: Sequence[int] | None = None) -> tuple[Schedule, SimResult]:

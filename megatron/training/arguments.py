@@ -20,7 +20,8 @@ from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
 from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES
 from dynapipe_ext.costs.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from dynapipe_ext.flextp.policy import balance_flags
-from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS
+from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS, stage_layout
+from dynapipe_ext.schedule.registry import SCHEDULES, layout_of
 from megatron.data.blend import parse_data_path
 from megatron.data.split import parse_split
 from megatron.data.tokenizers import tokenizer_flags
@@ -422,14 +423,11 @@ def virtual_stages(cfg: TrainConfig) -> int:
 
 
 def pipeline_stage_count(cfg: TrainConfig) -> int:
-    """Stages the model is cut into: P (1f1b, adaptive), v*P (interleaved), 2*W*P (wave);
-    'auto' may run on any of them (iteration_planner.choose_auto_layout)."""
-    pp = cfg.pipeline_model_parallel_size
-    if cfg.pipeline_schedule == "wave":
-        return 2 * cfg.pipeline_waves * pp
-    if cfg.pipeline_schedule == "interleaved":
-        return virtual_stages(cfg) * pp
-    return pp
+    """Stages the model is cut into on the layout of --pipeline-schedule (the schedule
+    registry's): P (linear), v*P (interleaved), 2*W*P (wave); 'auto' is counted on the linear
+    layout and may run on any (iteration_planner.choose_auto_layout)."""
+    return len(stage_layout(cfg.pipeline_schedule, cfg.pipeline_model_parallel_size,
+                            cfg.pipeline_waves, virtual_stages(cfg)))
 
 
 def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
@@ -440,14 +438,15 @@ def virtual_stage_problems(cfg: TrainConfig) -> list[str]:
     if cfg.num_virtual_stages_per_pipeline_rank < 0:
         problems.append(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got "
                         f"{cfg.num_virtual_stages_per_pipeline_rank}")
-    if problems or cfg.pipeline_schedule not in ("wave", "interleaved"):
+    if problems or cfg.pipeline_schedule not in SCHEDULES \
+            or layout_of(cfg.pipeline_schedule) == "linear":
         return problems
     stages = pipeline_stage_count(cfg)
     total = cfg.num_layers + cfg.decoder_num_layers
-    what = (f"--pipeline-schedule wave with --pipeline-waves {cfg.pipeline_waves}"
-            if cfg.pipeline_schedule == "wave" else
-            f"--pipeline-schedule interleaved with {virtual_stages(cfg)} virtual stages per "
-            f"rank")
+    what = (f"--pipeline-schedule {cfg.pipeline_schedule} with --pipeline-waves "
+            f"{cfg.pipeline_waves}" if layout_of(cfg.pipeline_schedule) == "wave" else
+            f"--pipeline-schedule {cfg.pipeline_schedule} with {virtual_stages(cfg)} virtual "
+            f"stages per rank")
     if cfg.pipeline_split == "even" and total % stages:
         problems.append(f"{what} cuts the model into {stages} stages at "
                         f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
@@ -696,7 +695,8 @@ FLAGS: tuple[Flag, ...] = (
     declare(PLANNING, "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="auto",
             validated_by="IterationPlannerConfig",
             help="auto: per run the layout (linear, interleaved, wave) predicted fastest "
-                 "on the first batch, per iteration the fastest fitting schedule on it"),
+                 "on the first batch, per iteration the fastest fitting schedule on it; "
+                 + "; ".join(f"{d.name}: {d.summary}" for d in SCHEDULES.values())),
     declare(PLANNING, "--pipeline-waves", type=int, default=1,
             help="W of Hanayo's wave schedule: the model in 2*W*P stages, folded W times "
                  "down and up the pipeline ranks"),
