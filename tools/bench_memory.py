@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -115,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=str(REPO / "docs" / "BENCHMARKS.md"),
                    help="markdown file whose `memory` section is rewritten ('' to skip)")
     args = p.parse_args(argv)
+    from tools.benchlib.provenance import provenance_end, provenance_start
+    start = provenance_start("python tools/bench_memory.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     import torch
 
     from dynapipe_ext.report.doc_sections import write_section
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
     finally:
         teardown_model_parallel()
     worst = summary(rows)
-    Path(args.output).write_text(json.dumps({"rows": rows, "worst_abs_error": worst,
+    Path(args.output).write_text(json.dumps({**provenance_end(start), "rows": rows,
+                                             "worst_abs_error": worst,
                                              "threads": 1}, indent=1) + "\n")
     print(table(rows))
     if args.doc:

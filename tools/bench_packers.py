@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from datetime import datetime, timezone
@@ -27,6 +28,7 @@ from dynapipe_ext.batching.packing import pack_pairs, pack_sequences  # noqa: E4
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow  # noqa: E402
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.report.packing_table import PACKERS, packed_rows  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 
 
 def decoder_length(max_len: int) -> int:
@@ -275,9 +277,12 @@ def main(argv=None) -> dict:
                         help="tools/bench_throughput.py result files of packing runs, one "
                              "packer each, with or without --train-args '--packing-window N'")
     args = parser.parse_args(argv)
+    start = provenance_start("python tools/bench_packers.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     result = measure(args.data_path, args.models, args.max_lengths, args.tokens_per_global_batch,
                      args.packing_window, args.seed, args.max_pack_depth, args.epochs)
     result["timed"] = load_timed(args.timed)
+    result = {**provenance_end(start), "invoked_by": args.command, **result}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     if args.markdown:

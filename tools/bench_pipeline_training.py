@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from megatron.bench.schedule_bench import (  # noqa: E402
     MODELS, SCHEDULES, predicted_rank_compute_ms, rank_busy_ms, run_argv)
 from tools.benchlib.launch import run_group  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 
 
 PROFILE_DIR = REPO / "runs" / "bench_pipeline_training" / "profiles"
@@ -278,6 +280,8 @@ def main(argv=None) -> None:
     out = REPO / "runs" / "bench_pipeline_training"
     out.mkdir(parents=True, exist_ok=True)
     before = os.getloadavg()
+    start = provenance_start("python tools/bench_pipeline_training.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     rows = measure(args.models, args.iters, args.skip, args.rounds, out, args.cost_model)
     now = datetime.datetime.now(datetime.timezone.utc)
     command = "python tools/bench_pipeline_training.py" + (
@@ -285,7 +289,8 @@ def main(argv=None) -> None:
         f" --skip {args.skip}" if args.skip != 2 else "") + (
         f" --rounds {args.rounds}" if args.rounds != 2 else "") + (
         " --cost-model profile" if args.cost_model == "profile" else "")
-    result = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "command": command,
+    result = {**provenance_end(start), "date": now.strftime("%Y-%m-%d %H:%M UTC"),
+              "command": command,
               "iters": args.iters, "skip": args.skip, "rounds": args.rounds,
               "load_before": before, "cost_model": args.cost_model,
               "load_after": os.getloadavg(), "rows": rows}

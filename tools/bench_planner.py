@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -45,6 +46,7 @@ from dynapipe_ext.batching.synthetic import (DEVICE, GPT_SPEC, T5_SPEC, global_b
                                              multitask_t5_batch)
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.report.packing_table import packing_markdown  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 from tools.benchlib.workloads import machine  # noqa: E402
 
 STRATEGY_ORDER = ("padding", "token-budget", "packing", "dynamic")
@@ -489,6 +491,8 @@ def main(argv=None) -> int:
                         help="then run tools/bench_schedules.py too (same --quick, --seed, "
                              "--no-write): schedule makespans and plan-generation timing")
     args = parser.parse_args(argv)
+    start = provenance_start("python tools/bench_planner.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     repeats = args.repeats or (3 if args.quick else 5)
     if repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -523,7 +527,8 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.0f} s")
     if not args.no_write:
         write_section(args.markdown, "planner", "Planner", body)
-        Path(args.json).write_text(json.dumps(dict(command=command, date=when, machine=where,
+        Path(args.json).write_text(json.dumps(dict(provenance_end(start), command=command,
+                                                   date=when, machine=where,
                                                    rows=rows, flan_rows=flan_rows,
                                                    order_rows=order_rows,
                                                    replica_rows=balance_rows,

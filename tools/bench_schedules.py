@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -43,6 +44,7 @@ from dynapipe_ext.schedule.schedules import hanayo, interleaved_one_f_one_b  # n
 from dynapipe_ext.schedule.simulator import CommModel, PipelineCosts  # noqa: E402
 from dynapipe_ext.batching.synthetic import flan_like_lengths  # noqa: E402
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
+from tools.benchlib.provenance import provenance_end, provenance_start  # noqa: E402
 from tools.benchlib.workloads import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,6 +342,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timing-only", action="store_true",
                         help="only the plan-generation timing, printed (nothing written)")
     args = parser.parse_args(argv)
+    start = provenance_start("python tools/bench_schedules.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv))
     repeats = 5 if args.quick else 21
     if args.timing_only:
         print(timing_markdown(time_plan_generation(repeats, args.seed)))
@@ -359,7 +363,7 @@ def main(argv=None) -> None:
         print(json.dumps(rows[-1]), flush=True)
     plan_timing = time_plan_generation(repeats, args.seed)
     now = datetime.datetime.now(datetime.timezone.utc)
-    results = {"date": now.strftime("%Y-%m-%d %H:%M UTC"),
+    results = {**provenance_end(start), "date": now.strftime("%Y-%m-%d %H:%M UTC"),
                "machine": machine(), "textbook": book, "rows": rows,
                "plan_timing": plan_timing}
     command = "python tools/bench_schedules.py" + (" --quick" if args.quick else "")
