@@ -16,5 +16,5 @@ exec torchrun --nproc-per-node "${NPROC:-4}" --master-addr 127.0.0.1 \
   --pipeline-model-parallel-size 2 --micro-batching dynamic --pipeline-schedule auto \
   --cost-model profile \
   --tokens-per-global-batch 8192 --train-iters 30 --lr 3e-3 --lr-warmup-iters 3 --min-lr 3e-4 \
-  --save runs/gpt_cpu/checkpoints --save-interval 10 --log-interval 1 \
+  --save runs/gpt_cpu/checkpoints --load runs/gpt_cpu/checkpoints --save-interval 10 --log-interval 1 \
   --stats-file runs/gpt_cpu/stats.jsonl "$@"

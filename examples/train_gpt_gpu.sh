@@ -21,5 +21,5 @@ gpu_launch pretrain_gpt.py \
   --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" --bf16 \
   --micro-batching dynamic --pipeline-schedule auto --num-planner-workers 4 \
   --tokens-per-global-batch 65536 --train-iters 200 --lr 2e-4 --lr-warmup-iters 20 \
-  --min-lr 2e-5 --clip-grad 1.0 --save runs/gpt_gpu/checkpoints --save-interval 100 \
+  --min-lr 2e-5 --clip-grad 1.0 --save runs/gpt_gpu/checkpoints --load runs/gpt_gpu/checkpoints --save-interval 100 \
   --stats-file runs/gpt_gpu/stats.jsonl "$@"

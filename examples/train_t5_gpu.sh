@@ -24,5 +24,5 @@ gpu_launch pretrain_t5.py \
   --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" --bf16 \
   --micro-batching dynamic --pipeline-schedule auto --num-planner-workers 4 \
   --tokens-per-global-batch 65536 --train-iters 200 --lr 1e-4 --lr-warmup-iters 20 \
-  --min-lr 1e-5 --clip-grad 1.0 --save runs/t5_gpu/checkpoints --save-interval 100 \
+  --min-lr 1e-5 --clip-grad 1.0 --save runs/t5_gpu/checkpoints --load runs/t5_gpu/checkpoints --save-interval 100 \
   --stats-file runs/t5_gpu/stats.jsonl "$@"

@@ -9,13 +9,16 @@ import sys
 import numpy as np
 import pytest
 
+from megatron.checkpoint import checkpointing as ckpt
 from megatron.data.multitask_dataset import MultiTaskDataset
 from tests.multiproc import free_port
+from tests.test_checkpointing import saved_run
 from tests.test_training import REPO, copy_dataset, env_with_repo, sp_dataset  # noqa: F401
 
 RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
        "--tokens-per-global-batch", "1024", "--seq-length", "128", "--lr", "5e-3",
-       "--distributed-timeout-minutes", "0.5", "--num-planner-workers", "0"]
+       "--lr-decay-iters", "10", "--distributed-timeout-minutes", "0.5",
+       "--num-planner-workers", "0"]
 
 
 def launch(args, nproc: int = 1, script: str = "pretrain_gpt.py", timeout: float = 240):
@@ -74,3 +77,134 @@ def test_token_ids_past_the_vocabulary_are_named_at_tp1_and_tp2(sp_dataset, tmp_
         assert code != 0, out[-3000:]
         assert f"{targets}: sample " in out and " holds token id 65535, outside 0..999" in out
         assert "Traceback" not in out.split("pretrain_gpt.py: error:")[0][-2000:]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+def tracker(directory) -> str:
+    return (directory / ckpt.LATEST).read_text().strip()
+
+
+def test_latest_never_moves_back_while_the_newer_checkpoint_is_there(tmp_path):
+    cfg, model, opt = saved_run(tmp_path, [2, 4])
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.save_checkpoint(str(tmp_path), 2, [model], opt, {"consumed_samples": 2}, cfg, 0, 1)
+    assert str(err.value).endswith(f"{tmp_path / ckpt.LATEST} names iteration 4, newer than 2: "
+                                   f"not moving it back (another run writes {tmp_path}?)")
+    assert tracker(tmp_path) == "4"
+
+
+def test_a_missing_tracker_is_read_as_the_newest_complete_checkpoint_and_rebuilt(tmp_path):
+    saved_run(tmp_path, [2, 4])
+    os.makedirs(ckpt.iteration_dir(str(tmp_path), 6))    # a save killed before its common.pt
+    os.remove(tmp_path / ckpt.LATEST)
+    assert ckpt.latest_iteration(str(tmp_path)) == 4
+    assert ckpt.newest_checkpoint(str(tmp_path)) == 4
+    assert ckpt.rebuild_tracker(str(tmp_path)) == 4 and tracker(tmp_path) == "4"
+    assert ckpt.newest_checkpoint(str(tmp_path / "none")) is None
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_a_dead_ones_lock_is_taken_over(
+        tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", ACQUIRE_AND_WAIT, str(tmp_path)],
+                              cwd=REPO, env=env_with_repo(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ckpt.CheckpointError) as err:
+            ckpt.prepare_save_dir(str(tmp_path), 0)
+        assert f"--save {tmp_path}: another run writes there (process {holder.pid} on " in \
+            str(err.value) and f"holds {tmp_path / ckpt.LOCK}" in str(err.value)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # the holder was killed before it released its lock: named and taken over
+    assert json.loads((tmp_path / ckpt.LOCK).read_text())["pid"] == holder.pid
+    ckpt.prepare_save_dir(str(tmp_path), 0)
+    assert f"save.lock: left by process {holder.pid} on " in capsys.readouterr().out
+    assert json.loads((tmp_path / ckpt.LOCK).read_text())["pid"] == os.getpid()
+    ckpt.release_save_lock(str(tmp_path))
+    assert not (tmp_path / ckpt.LOCK).exists()
+
+
+# takes the lock, says so, waits for stdin to close, then dies without releasing it
+ACQUIRE_AND_WAIT = """
+import os, sys
+from megatron.checkpoint.checkpointing import acquire_save_lock
+acquire_save_lock(sys.argv[1])
+print("locked", flush=True)
+sys.stdin.read()
+os._exit(0)
+"""
+
+
+def pretrain(args, timeout: float = 240):
+    """pretrain_gpt.py as a world of one: (exit status, stdout + stderr)."""
+    env = dict(env_with_repo(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_never_writes_over_checkpoints_it_does_not_resume(sp_dataset, tmp_path):
+    """A fresh run into another run's --save was let write iter_0000002 over it and move
+    `latest` from 4 back to 2; a lost tracker file read as "no checkpoint there yet"."""
+    save = tmp_path / "ckpt"
+    args = sp_dataset + RUN + ["--save", str(save), "--save-interval", "2"]
+    code, out = pretrain(args + ["--train-iters", "4"])
+    assert code == 0, out[-3000:]
+    before = (save / "iter_0000002" / ckpt.COMMON).read_bytes()
+
+    code, out = pretrain(args + ["--train-iters", "2"])
+    assert code == 1 and out.count("error:") == 1
+    assert (f"--save {save} holds checkpoints of another run (newest: iteration 4); resume "
+            f"them with --load {save}, save to a new folder, or start over there with "
+            f"--overwrite-checkpoints") in out
+    assert tracker(save) == "4" and (save / "iter_0000002" / ckpt.COMMON).read_bytes() == before
+
+    os.remove(save / ckpt.LATEST)
+    code, out = pretrain(args + ["--train-iters", "6", "--load", str(save)])
+    assert code == 0, out[-3000:]
+    assert f"{ckpt.LATEST} was missing; rebuilt it from the newest complete checkpoint, " \
+           f"iteration 4" in out and "iterations 4..6" in out
+    assert tracker(save) == "6"
+
+    code, out = pretrain(args + ["--train-iters", "2", "--overwrite-checkpoints"])
+    assert code == 0, out[-3000:]
+    assert f"--overwrite-checkpoints: set aside {save / 'iter_0000006'}" in out
+    assert tracker(save) == "2" and (save / "iter_0000004.abandoned" / ckpt.COMMON).exists()
+    assert not (save / ckpt.LOCK).exists()
+
+
+def convert(*args):
+    done = subprocess.run([sys.executable, os.path.join("tools", "convert_checkpoint.py"),
+                           *map(str, args)], cwd=REPO, env=env_with_repo(),
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_converter_refuses_a_destination_that_is_not_empty(tmp_path):
+    """--to-hf onto an existing Hugging Face folder and --from-hf --to a run's folder wrote
+    over what was there (the latter moved `latest` back to 0)."""
+    from tests.test_hf_convert import GPT_CONFIGS, random_gpt2
+    random_gpt2(tmp_path / "hf", *GPT_CONFIGS[0])
+    hf_bytes = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    saved_run(tmp_path / "run", [2, 4])
+    ours = tmp_path / "ours"
+    assert convert("--from-hf", tmp_path / "hf", "--to", ours)[0] == 0
+
+    for args, target in ((["--from-hf", tmp_path / "hf", "--to", tmp_path / "run"], "run"),
+                         (["--to-hf", ours, "--to", tmp_path / "hf"], "hf")):
+        code, out = convert(*args)
+        assert code == 2 and f"--to {tmp_path / target} is not empty (" in out
+        assert "pick a new folder, or pass --overwrite to replace what is there" in out
+    assert tracker(tmp_path / "run") == "4"
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == hf_bytes
+
+    code, out = convert("--from-hf", tmp_path / "hf", "--to", tmp_path / "run", "--overwrite")
+    assert code == 0, out
+    assert f"--overwrite: set aside {tmp_path / 'run' / 'iter_0000004'}" in out
+    assert tracker(tmp_path / "run") == "0"
+    assert (tmp_path / "run" / "iter_0000004.abandoned" / ckpt.COMMON).exists()

@@ -33,7 +33,7 @@ from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_con
                                        read_hf, read_source_config, write_converted,
                                        write_hf)
 from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group  # noqa: E402
-from megatron.checkpoint.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpoint.checkpointing import CheckpointError, start_over  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
 
 
@@ -72,7 +72,11 @@ def main(argv=None) -> int:
     src.add_argument("--to-hf", metavar="DIR",
                      help="a directory this tool converted into, or a training run's --save "
                           "directory (with --model-args)")
-    p.add_argument("--to", metavar="DIR", required=True, help="output directory")
+    p.add_argument("--to", metavar="DIR", required=True,
+                   help="output directory: new or empty, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a --to that is not empty: an import sets the checkpoints "
+                        "there aside (iter_N.abandoned), an export replaces the files it writes")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
                    help="pad the vocabulary as a run at this TP does (default 1)")
     add_flag_group(p, "data", ["make_vocab_size_divisible_by"], title="",
@@ -91,6 +95,11 @@ def main(argv=None) -> int:
         p.error("--make-vocab-size-divisible-by and --target-tensor-parallel-size must be >= 1")
     if a.model_args and not a.to_hf:
         p.error("--model-args is for --to-hf (export)")
+    held = sorted(os.listdir(a.to)) if os.path.isdir(a.to) else []
+    if held and not a.overwrite:
+        p.error(f"--to {a.to} is not empty ({len(held)} entries: {', '.join(held[:4])}"
+                f"{', ...' if len(held) > 4 else ''}); pick a new folder, or pass --overwrite "
+                f"to replace what is there")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()      # one line of output, not loading / writing bars
     try:
@@ -100,6 +109,9 @@ def main(argv=None) -> int:
                                      a.make_vocab_size_divisible_by)
             with open(os.path.join(a.from_hf, "config.json")) as f:
                 source = json.load(f)
+            if held:
+                for moved in start_over(a.to):
+                    print(f"--overwrite: set aside {moved}")
             path = write_converted(fit_vocab(full, rows, a.from_hf), args, a.to, source)
             flags = training_flags(args)
             if a.make_vocab_size_divisible_by != VOCAB_MULTIPLE:

@@ -28,6 +28,15 @@ Atomicity: files are written under a temporary name and renamed, and `latest` mo
 every rank has written its files, so an interrupted save never looks complete. Resuming on the
 same layout reproduces an uninterrupted run exactly.
 
+Never backwards, never another run's: `latest` only moves forward (mark_latest refuses to name
+an iteration older than the one it names while that one's folder is there); a tracker file
+that is missing while complete iteration folders (with their common.pt) are there is read as
+the newest of them (newest_checkpoint) and rewritten, never as "no checkpoint"; a run that
+finds checkpoints in its --save without resuming them refuses to start (training.py) unless
+--overwrite-checkpoints sets them aside (start_over); and rank 0 holds `save.lock` in --save
+for the life of the run, so a second run writing there is refused, naming the first (a lock
+left by a process that is gone is named and taken over).
+
 Safety: a file holds only tensors and plain containers (dict, list, str, int, float, bool,
 None) and is read with `torch.load(weights_only=True)`, with no allow-list: a file that holds
 any other Python object (a crafted pickle, or a format-1 checkpoint with numpy RNG states) is
@@ -49,8 +58,11 @@ import hashlib
 import os
 import pickle
 import random
+import json
 import re
 import shutil
+import socket
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -59,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.base.collectives import gather_from_ranks, reduce_over_ranks
+from megatron.data.flan_indexed import pid_alive
 from megatron.model.full_state import (assemble, load_sharded_state, local_shards,
                                        state_problems, whole)
 
@@ -82,6 +95,7 @@ FLAG_NAMES = {"model": "the model (pretrain_gpt.py / pretrain_t5.py)",
               "gated_linear_unit": "--gated-gelu (gated_linear_unit)",
               VOCAB_FIELD: "the vocabulary (tokens of the tokenizer, before padding)"}
 ITER_DIR = re.compile(r"iter_(\d{7})$")
+LOCK = "save.lock"
 STALE_TEMP = re.compile(r"(rank_\d{5}\.pt|shards_pp\d{3}_tp\d{3}\.pt|" + re.escape(COMMON) +
                         "|" + re.escape(LATEST) + r")\.tmp\d+$")
 
@@ -230,22 +244,123 @@ def clean_stale_temp_files(directory: str) -> list[str]:
     return removed
 
 
-def prepare_save_dir(directory: str, rank: int) -> None:
-    """Before training: rank 0 creates `directory` and clears stale temporary files from it;
-    every rank waits, and all raise alike if it cannot be written."""
+def prepare_save_dir(directory: str, rank: int, start_over_there: bool = False) -> None:
+    """Before training: rank 0 creates `directory`, takes its lock (acquire_save_lock), sets
+    its checkpoints aside if `start_over_there` (--overwrite-checkpoints) and clears stale
+    temporary files from it; every rank waits, and all raise alike if it cannot be written or
+    another run holds it."""
     problem = None
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             if not os.access(directory, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "not writable", directory)
+            acquire_save_lock(directory)
+            if start_over_there:
+                for moved in start_over(directory):
+                    print(f"[checkpoint] --overwrite-checkpoints: set aside {moved}", flush=True)
             for path in clean_stale_temp_files(directory):
                 print(f"[checkpoint] removed {path}, left by an interrupted save", flush=True)
-        except OSError as err:
+        except (OSError, CheckpointError) as err:
             problem = err
     if count_over_ranks(problem is not None):
+        if isinstance(problem, CheckpointError):
+            raise problem
         raise CheckpointError(f"--save {directory}: cannot write checkpoints there "
                               f"({problem or 'see rank 0'})")
+
+
+def lock_holder(path: str) -> dict | None:
+    """The {host, pid, started} a lock file records (None when it cannot be read as one)."""
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(holder, dict) and isinstance(holder.get("pid"), int)
+    return holder if ok else None
+
+
+def acquire_save_lock(directory: str) -> None:
+    """Create `directory`/save.lock recording this process (host, pid, start time), or raise a
+    CheckpointError naming the run that holds it. A lock of this process is kept; one of a
+    process on this host that is gone (killed, crashed) is named and taken over. A lock from
+    another host cannot be checked: the error says how to clear it."""
+    path = os.path.join(directory, LOCK)
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = lock_holder(path)
+            if holder is None:
+                raise CheckpointError(f"--save {directory}: {path} exists but is not a lock "
+                                      f"this code wrote; remove it if no run writes there")
+            if (holder.get("host"), holder["pid"]) == (me["host"], me["pid"]):
+                return
+            if holder.get("host") != me["host"] or pid_alive(holder["pid"]):
+                raise CheckpointError(
+                    f"--save {directory}: another run writes there (process {holder['pid']} "
+                    f"on {holder.get('host')}, started {holder.get('started')}, holds {path}); "
+                    f"save to another folder, or wait for it to end (remove {path} only if "
+                    f"that process is gone)")
+            print(f"[checkpoint] {path}: left by process {holder['pid']} on {holder['host']} "
+                  f"(started {holder.get('started')}), which is gone; taking it over",
+                  flush=True)
+            os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return
+
+
+def release_save_lock(directory: str) -> None:
+    """Remove `directory`/save.lock if this process holds it."""
+    path = os.path.join(directory, LOCK)
+    holder = lock_holder(path)
+    if holder and (holder.get("host"), holder["pid"]) == (socket.gethostname(), os.getpid()):
+        os.remove(path)
+
+
+def start_over(directory: str) -> list[str]:
+    """Set every checkpoint of `directory` aside (iter_N -> iter_N.abandoned, kept) and remove
+    its tracker file, so a run told to start over there (--overwrite-checkpoints) begins a
+    history of its own; returns the new names."""
+    moved = set_aside_newer(directory, -1)
+    tracker = os.path.join(directory, LATEST)
+    if os.path.isfile(tracker):
+        os.remove(tracker)
+    return moved
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """Iterations whose folder holds a common.pt (written last by a save: a complete one),
+    newest first; [] when `directory` does not exist."""
+    if not os.path.isdir(directory):
+        return []
+    found = [int(m.group(1)) for m in map(ITER_DIR.match, os.listdir(directory)) if m]
+    return sorted((i for i in found if os.path.isfile(common_file(directory, i))), reverse=True)
+
+
+def newest_checkpoint(directory: str) -> int | None:
+    """latest_iteration, or None when `directory` holds no checkpoint."""
+    try:
+        return latest_iteration(directory)
+    except FileNotFoundError:
+        return None
+
+
+def rebuild_tracker(directory: str) -> int | None:
+    """Rewrite a missing tracker file from the newest complete iteration folder; returns that
+    iteration (None when the tracker is there or there is no checkpoint)."""
+    if os.path.isfile(os.path.join(directory, LATEST)):
+        return None
+    found = saved_iterations(directory)
+    if not found:
+        return None
+    atomic_write(os.path.join(directory, LATEST), lambda tmp: write_text(tmp, f"{found[0]}\n"))
+    return found[0]
 
 
 def complete_iterations(directory: str, latest: int) -> list[int]:
@@ -455,7 +570,14 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
 
 
 def mark_latest(directory: str, iteration: int, keep_last: int = 0) -> None:
-    """Point `latest` at `iteration` (a complete save), then apply --keep-last."""
+    """Point `latest` at `iteration` (a complete save), then apply --keep-last. Never back: a
+    CheckpointError when `latest` names a newer iteration whose folder is still there."""
+    tracker = os.path.join(directory, LATEST)
+    current = latest_iteration(directory) if os.path.isfile(tracker) else None
+    if current is not None and current > iteration and os.path.isdir(
+            iteration_dir(directory, current)):
+        raise CheckpointError(f"{tracker} names iteration {current}, newer than {iteration}: "
+                              f"not moving it back (another run writes {directory}?)")
     atomic_write(os.path.join(directory, LATEST), lambda tmp: write_text(tmp, f"{iteration}\n"))
     for old in prune_checkpoints(directory, iteration, keep_last):
         print(f"[checkpoint] --keep-last {keep_last}: removed "
@@ -498,9 +620,13 @@ def save_model_only_checkpoint(directory: str, iteration: int, full_state: dict,
 # ---------------------------------------------------------------------------- loading
 
 def latest_iteration(directory: str) -> int:
-    """The iteration of the last complete checkpoint in `directory`, with a clear error if none."""
+    """The iteration of the last complete checkpoint in `directory` (without a tracker file,
+    the newest complete iteration folder), with a clear error if none."""
     marker = os.path.join(directory, LATEST)
     if not os.path.isfile(marker):
+        found = saved_iterations(directory)
+        if found:
+            return found[0]
         raise FileNotFoundError(f"--load {directory}: no {LATEST} (no complete checkpoint there)")
     with open(marker, "rb") as f:
         raw = f.read(64)

@@ -100,6 +100,7 @@ class TrainConfig:
     finetune: bool  # --load weights only: iteration 0, fresh state
     no_load_optim: bool  # --load without optimizer / LR schedule state
     no_load_rng: bool  # --load without RNG states (reseed)
+    overwrite_checkpoints: bool  # --save's checkpoints set aside, not refused
     global_batch_size: int  # samples per global batch; 0 = token budget
     debug: bool  # a failure prints its traceback too
     mixing_cap: int | None  # FLAN/seqio examples-proportional cap
@@ -342,6 +343,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
     need(not (cfg.keep_last and not cfg.save), "--keep-last needs --save DIR")
+    need(not (cfg.overwrite_checkpoints and not cfg.save), "--overwrite-checkpoints needs --save DIR")
     for load_flag in ("finetune", "no_load_optim", "no_load_rng"):
         need(not (getattr(cfg, load_flag) and not cfg.load), f"--{flag(load_flag)} needs --load DIR")
     need(not (cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler),
@@ -835,6 +837,10 @@ FLAGS: tuple[Flag, ...] = (
             help="on --load, keep a fresh optimizer and follow this run's LR flags"),
     declare(CHECKPOINT, "--no-load-rng", action="store_true",
             help="on --load, do not restore RNG states (reseed from --seed)"),
+    declare(CHECKPOINT, "--overwrite-checkpoints", action="store_true",
+            help="start over in a --save folder that holds checkpoints this run does not "
+                 "resume (they are renamed iter_N.abandoned, not deleted); without it such "
+                 "a run is refused"),
     declare(CHECKPOINT, "--log-interval", type=int, default=1),
     declare(CHECKPOINT, "--eval-interval", type=int, default=0,
             help="evaluate on the validation data every N iterations and after the "

@@ -449,6 +449,8 @@ class TrainingRun:
             self.plans.close()
         self.logger.close()
         self.handlers.runtime.close()
+        if self.cfg.save and self.layout.rank == 0:
+            checkpointing.release_save_lock(self.cfg.save)
 
 
 def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) -> TrainingRun:
@@ -459,6 +461,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_device_precision(cfg, use_cuda())
+    check_save_dir(cfg)
     data = open_training_data(cfg, rank)
     valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None
     # a checkpoint with more token rows than the tokenizer has tokens keeps them (FLAN-T5);
@@ -527,7 +530,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
             done = resume(cfg, data, stages, optimizer, layout)
         start = agree_on_start(done, cfg.load, layout)
     if cfg.save:
-        checkpointing.prepare_save_dir(cfg.save, layout.rank)
+        checkpointing.prepare_save_dir(cfg.save, layout.rank, cfg.overwrite_checkpoints)
     handlers = make_handlers(stages, batch_provider=None, global_loss_tokens=1,
                              pp_group=pipeline_p2p_groups(),
                              device=layout.device, timeout_s=cfg.distributed_timeout_minutes * 60,
@@ -563,6 +566,25 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                        Executor(handlers), plans, logger, start, evaluator, flextp)
 
 
+def check_save_dir(cfg: TrainConfig) -> None:
+    """A run never writes over checkpoints it does not resume: --save holding checkpoints is
+    refused (every rank alike, before any collective) unless this run resumes them (--load the
+    same folder, without --finetune) or --overwrite-checkpoints sets them aside."""
+    if not cfg.save or cfg.overwrite_checkpoints:
+        return
+    try:
+        newest = checkpointing.newest_checkpoint(cfg.save)
+    except checkpointing.CheckpointError as err:
+        raise RunSetupError(f"--save {cfg.save}: {err}") from None
+    resumes = (cfg.load and not cfg.finetune
+               and os.path.realpath(cfg.load) == os.path.realpath(cfg.save))
+    if newest is not None and not resumes:
+        raise RunSetupError(f"--save {cfg.save} holds checkpoints of another run (newest: "
+                            f"iteration {newest}); resume them with --load {cfg.save}, save to "
+                            f"a new folder, or start over there with --overwrite-checkpoints "
+                            f"(they are set aside as iter_N.abandoned)")
+
+
 def checkpoint_layout(flextp):
     """Where a checkpoint is saved or loaded: in FlexTP's even partition (--tp-balance; the
     format of an ordinary TP run's checkpoint), in place otherwise."""
@@ -577,14 +599,18 @@ def resume(cfg, data: TrainingData, stages, optimizer, layout: ParallelLayout) -
     without a checkpoint yet (e.g. --save and --load the same directory on a first run)
     starts from iteration 0 (with --finetune that is an error: the weights are the point).
     The checkpoint may come from another TP / PP / DP layout (checkpointing.py)."""
-    if cfg.finetune and not os.path.isfile(os.path.join(cfg.load, checkpointing.LATEST)):
+    newest = checkpointing.newest_checkpoint(cfg.load)
+    if cfg.finetune and newest is None:
         raise RunSetupError(f"--load {cfg.load} --finetune: no {checkpointing.LATEST} there "
                             f"(no complete checkpoint to take the weights from)")
-    if not os.path.isfile(os.path.join(cfg.load, checkpointing.LATEST)):
+    if newest is None:
         if layout.rank == 0:
             print(f"[train] --load {cfg.load}: no checkpoint there yet, starting from "
                   f"iteration 0", flush=True)
         return 0
+    if layout.rank == 0 and checkpointing.rebuild_tracker(cfg.load) is not None:
+        print(f"[train] --load {cfg.load}: {checkpointing.LATEST} was missing; rebuilt it "
+              f"from the newest complete checkpoint, iteration {newest}", flush=True)
     modules = [stages[s] for s in sorted(stages)]
     done, sampler_state = checkpointing.load_checkpoint(cfg.load, modules, optimizer, cfg,
                                                         layout.rank, layout.world_size, layout)
