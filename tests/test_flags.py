@@ -97,6 +97,7 @@ PARSER_BEFORE = {
         (False, None, 'None', 0, False),
     "--p2p-bandwidth-gbps": (None, None, 'float', None, False),
     "--p2p-latency-us": (None, None, 'float', None, False),
+    "--override-data-identity": (False, None, 'None', 0, False),
     "--overwrite-checkpoints": (False, None, 'None', 0, False),
     "--packing-algorithm":
         ('spfhp', ('nextfit', 'spfhp', 'spfhp-grouped', 'lpfhp', 'nnlshp'), 'None', None, False),

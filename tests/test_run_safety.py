@@ -208,3 +208,49 @@ def test_the_converter_refuses_a_destination_that_is_not_empty(tmp_path):
     assert f"--overwrite: set aside {tmp_path / 'run' / 'iter_0000004'}" in out
     assert tracker(tmp_path / "run") == "0"
     assert (tmp_path / "run" / "iter_0000004.abandoned" / ckpt.COMMON).exists()
+
+
+# ---------------------------------------------------------------------------- data identity
+
+@pytest.mark.slow
+def test_resuming_with_another_tokenizer_of_the_same_size_is_refused_naming_both(sp_dataset,
+                                                                               tmp_path):
+    """With --global-batch-size the sample counts agree, so the swap resumed silently,
+    optimizer state and all."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import check_data_identity, open_training_data
+    from tests.test_training import run_tool
+    prefix = sp_dataset[sp_dataset.index("--data-path") + 1]
+    folder = os.path.dirname(prefix)
+    run_tool("tools/make_flan_sample.py", "--output", str(tmp_path / "other.jsonl"),
+             "--num-samples", "300", "--seed", "8")
+    run_tool("tools/train_tokenizer.py", "--input", str(tmp_path / "other.jsonl"),
+             "--model-prefix", str(tmp_path / "sp"), "--vocab-size", "1000")
+    run_tool("tools/preprocess_flan.py", "--input", os.path.join(folder, "flan.jsonl"),
+             "--output-prefix", str(tmp_path / "flan"), "--tokenizer-type",
+             "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "sp.model"),
+             "--no-progress")
+    other = ["--data-path", str(tmp_path / "flan"), "--tokenizer-type",
+             "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "sp.model")]
+    save = tmp_path / "ckpt"
+    at = RUN.index("--tokens-per-global-batch")
+    batch = RUN[:at] + RUN[at + 2:] + ["--global-batch-size", "4", "--save", str(save),
+                                       "--load", str(save)]
+    code, out = pretrain(sp_dataset + batch + ["--train-iters", "1"])
+    assert code == 0, out[-3000:]
+
+    code, out = pretrain(other + batch + ["--train-iters", "2"])
+    assert code == 1 and out.count("error:") == 1, out[-3000:]
+    assert (f"--load {save}: the checkpoint was trained on tokenizer SentencePieceTokenizer "
+            f"{folder}/sp.model") in out
+    assert (f"this run has tokenizer SentencePieceTokenizer {tmp_path}/sp.model") in out
+    assert f"data {prefix} (manifest " in out and f"data {tmp_path}/flan (manifest " in out
+    assert "--override-data-identity if the change is meant, or --finetune" in out
+    assert tracker(save) == "1"
+
+    code, out = pretrain(other + batch + ["--train-iters", "2", "--override-data-identity"])
+    assert code == 0, out[-3000:]
+    assert tracker(save) == "2"
+    cfg = parse_args("gpt", other + RUN + ["--train-iters", "2", "--load", str(save),
+                                           "--finetune"], has_cuda=False)
+    check_data_identity(cfg, open_training_data(cfg).identity)    # weights alone: not bound

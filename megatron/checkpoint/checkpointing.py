@@ -3,7 +3,7 @@
 `DIR/iter_NNNNNNN/` holds
   common.pt               (rank 0) format, iteration, the model's flags (shape, layer options,
                           vocabulary: model_signature), the saving layout, the LR schedule, the
-                          sampler position, an index (which shard file holds which parameter)
+                          sampler position, the tokenizer and datasets trained on ("data"), an index (which shard file holds which parameter)
                           and the SHA-256 of every other file;
   shards_ppPPP_tpTTT.pt   (data-parallel replica 0 only, one per (pp, tp) rank) this rank's
                           parameters and their optimizer state (Adam moments, step, fp32 main
@@ -519,10 +519,12 @@ def gather_index(file_name: str | None, names: list[str]) -> dict[str, list[str]
 
 
 def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_state,
-                    cfg, rank: int, world_size: int, layout=None) -> str:
+                    cfg, rank: int, world_size: int, layout=None,
+                    data_identity: dict | None = None) -> str:
     """Write this rank's part of the state after `iteration` completed iterations; every rank
     must call it. `layout` (a ParallelLayout or Place) says where the rank sits; without it the
-    world is pure data parallelism. If any rank fails to write (a full disk, ...), every rank
+    world is pure data parallelism. `data_identity` (the tokenizer and datasets trained on,
+    training.data_identity) is recorded in common.pt as "data". If any rank fails to write (a full disk, ...), every rank
     raises and `latest` stays where it was. Returns the path of this rank's own file."""
     place = layout or data_parallel_place(rank, world_size)
     folder = iteration_dir(directory, iteration)
@@ -558,7 +560,7 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
             common = dict(head, config=model_signature(cfg, modules),
                           layout=layout_record(place), index=index, model_only=False,
                           opt_param_scheduler=optimizer.scheduler_state_dict(),
-                          sampler=sampler_state, checksums=checksums)
+                          sampler=sampler_state, checksums=checksums, data=data_identity)
             atomic_write(common_file(directory, iteration),
                          lambda tmp: torch.save(common, tmp))
             mark_latest(directory, iteration, cfg.keep_last)

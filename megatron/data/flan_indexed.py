@@ -16,6 +16,7 @@ previous dataset or the new one at P. The previous data folder is removed after 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -328,6 +329,13 @@ def dataset_paths(prefix: str) -> tuple[dict, dict[str, str]]:
         raise FileNotFoundError(f"the dataset at prefix {prefix!r} is damaged: "
                                 f"{'; '.join(problems)}; {build}")
     return table, data_paths(data_dir)
+
+
+def manifest_digest(prefix: str) -> str:
+    """The SHA-256 of the dataset's manifest (hex): it names the data folder (new for every
+    write) and every file's size, so it identifies one written dataset wherever it is moved."""
+    with open(manifest_path(prefix), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def dataset_files(prefix: str) -> list[str]:

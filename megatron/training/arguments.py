@@ -101,6 +101,7 @@ class TrainConfig:
     no_load_optim: bool  # --load without optimizer / LR schedule state
     no_load_rng: bool  # --load without RNG states (reseed)
     overwrite_checkpoints: bool  # --save's checkpoints set aside, not refused
+    override_data_identity: bool  # resume: other data / tokenizer than the checkpoint's
     global_batch_size: int  # samples per global batch; 0 = token budget
     debug: bool  # a failure prints its traceback too
     mixing_cap: int | None  # FLAN/seqio examples-proportional cap
@@ -344,7 +345,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")
     need(not (cfg.keep_last and not cfg.save), "--keep-last needs --save DIR")
     need(not (cfg.overwrite_checkpoints and not cfg.save), "--overwrite-checkpoints needs --save DIR")
-    for load_flag in ("finetune", "no_load_optim", "no_load_rng"):
+    for load_flag in ("finetune", "no_load_optim", "no_load_rng", "override_data_identity"):
         need(not (getattr(cfg, load_flag) and not cfg.load), f"--{flag(load_flag)} needs --load DIR")
     need(not (cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler),
          "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
@@ -837,6 +838,9 @@ FLAGS: tuple[Flag, ...] = (
             help="on --load, keep a fresh optimizer and follow this run's LR flags"),
     declare(CHECKPOINT, "--no-load-rng", action="store_true",
             help="on --load, do not restore RNG states (reseed from --seed)"),
+    declare(CHECKPOINT, "--override-data-identity", action="store_true",
+            help="on --load, resume although the tokenizer or datasets differ from those "
+                 "the checkpoint was trained on (refused otherwise, naming both)"),
     declare(CHECKPOINT, "--overwrite-checkpoints", action="store_true",
             help="start over in a --save folder that holds checkpoints this run does not "
                  "resume (they are renamed iter_N.abandoned, not deleted); without it such "

@@ -32,7 +32,9 @@ from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream
 from megatron.data.multitask_dataset import MultiTaskDataset
 from megatron.data.sampler import GlobalBatchSampler, PackingWindow
 from megatron.data.split import PARTS, parse_split, split_indices
-from megatron.data.tokenizers import TokenizerError, build_tokenizer, tokenizer_mismatch
+from megatron.data.flan_indexed import manifest_digest
+from megatron.data.tokenizers import (TokenizerError, build_tokenizer, tokenizer_label,
+                                      tokenizer_mismatch)
 from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
@@ -81,6 +83,7 @@ class TrainingData:
     vocab_size: int              # tokenizer vocabulary (before padding)
     indices: np.ndarray | None = None   # the samples the sampler draws from (--split); all
     held_out: dict | None = None        # --split: samples per part ("train", "valid", "test")
+    identity: dict | None = None        # data_identity: what a checkpoint binds the run to
 
     @property
     def pad_id(self) -> int:
@@ -174,7 +177,45 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
     except ValueError as exc:   # e.g. a sample longer than the batch budget
         raise RunSetupError(f"{where}: {exc}") from exc
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
-                        cfg.decoder_seq_length, tokenizer.vocab_size, indices, held_out)
+                        cfg.decoder_seq_length, tokenizer.vocab_size, indices, held_out,
+                        data_identity(dataset, [prefix for _, prefix in blend]))
+
+
+def data_identity(dataset: MultiTaskDataset, prefixes: list[str]) -> dict:
+    """The tokenizer (fingerprint) and datasets (manifest digests, prefixes) a run trains on; a
+    checkpoint records it and a resume compares it (check_data_identity). Blend weights,
+    --split and the batch flags are the sampler's (sampler_settings)."""
+    return {"tokenizer": tokenizer_label(dataset.tokenizer_info),
+            "tokenizer_fingerprint": dataset.tokenizer_info.get("fingerprint"),
+            "datasets": [[os.path.abspath(p), manifest_digest(p)] for p in prefixes]}
+
+
+def describe_identity(identity: dict) -> str:
+    return (f"tokenizer {identity['tokenizer']}, data " + ", ".join(
+        f"{prefix} (manifest {digest[:12]})" for prefix, digest in identity["datasets"]))
+
+
+def check_data_identity(cfg: TrainConfig, identity: dict) -> None:
+    """Resuming binds a run to the tokenizer and datasets its checkpoint was trained on: any
+    other is a RunSetupError naming both (before any collective, every rank alike), unless
+    --override-data-identity says the change is meant; --finetune takes the weights alone and
+    is not bound. A checkpoint that records no identity (older ones, imports) or cannot be
+    read here (the load says why) is not compared."""
+    if not cfg.load or cfg.finetune or cfg.override_data_identity:
+        return
+    try:
+        saved = checkpointing.read_common(cfg.load).get("data")
+    except (OSError, ValueError):
+        return
+    def key(ident: dict):
+        return ident.get("tokenizer_fingerprint"), [d for _, d in ident.get("datasets", [])]
+
+    if isinstance(saved, dict) and key(saved) != key(identity):
+        raise RunSetupError(f"--load {cfg.load}: the checkpoint was trained on "
+                            f"{describe_identity(saved)}; this run has "
+                            f"{describe_identity(identity)}. Resume with the same data and "
+                            f"tokenizer, pass --override-data-identity if the change is meant, "
+                            f"or --finetune to take the weights alone")
 
 
 def batch_sampler(cfg: TrainConfig, dataset: MultiTaskDataset, lengths: np.ndarray,
@@ -463,6 +504,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     check_device_precision(cfg, use_cuda())
     check_save_dir(cfg)
     data = open_training_data(cfg, rank)
+    check_data_identity(cfg, data.identity)
     valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None
     # a checkpoint with more token rows than the tokenizer has tokens keeps them (FLAN-T5);
     # one with fewer is refused at load (checkpointing.signature_differences)
@@ -743,7 +785,8 @@ def save(run: TrainingRun, iterations_done: int) -> None:
     with checkpoint_layout(run.flextp):
         checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules,
                                       run.optimizer, sampler_state, run.cfg, run.layout.rank,
-                                      run.layout.world_size, run.layout)
+                                      run.layout.world_size, run.layout,
+                                      data_identity=run.data.identity)
     if run.layout.rank == 0:
         print(f"[train] saved checkpoint of iteration {iterations_done} to {run.cfg.save}",
               flush=True)
