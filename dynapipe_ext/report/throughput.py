@@ -91,13 +91,24 @@ def measured_table(rows: list[dict]) -> list[str]:
                   and r.get("packing_algorithm") else "")
         out.append(
             f"| {r['model']} | {r['max_len']} | {r['strategy']}{packer} | "
-            f"{r['micro_batch_size'] or 'var'} | {r['tokens_per_s']:,.0f}{spread_text(r)} | "
+            f"{rows_per_micro_batch_text(r)} | {r['tokens_per_s']:,.0f}{spread_text(r)} | "
             f"{percent(r.get('mfu'))} | {ratio_text(r)} | {eff} | "
             f"{median(r['micro_batches']):.0f} | {'/'.join(r['recompute'])} | "
             f"{'/'.join(sched)} | {median(r['planning_ms']):.0f} | "
             f"{1e3 * median(r['plan_wait_s']):.1f} | "
             f"{max(r['peak_memory_bytes']) / 2**20:,.0f} | {median(r['iteration_s']):.2f} |")
     return out
+
+
+def rows_per_micro_batch_text(row: dict) -> str:
+    """Rows per micro-batch: the fixed count, the range packing's per-batch search chose, or
+    'var' (dynamic sizes every micro-batch)."""
+    if row.get("micro_batch_size"):
+        return str(row["micro_batch_size"])
+    chosen = row.get("rows_per_micro_batch") or []
+    if row["strategy"].startswith("packing") and chosen:
+        return str(chosen[0]) if len(chosen) == 1 else f"{min(chosen)}-{max(chosen)}"
+    return "var"
 
 
 def spread_text(row: dict) -> str:
