@@ -5,7 +5,8 @@
 # results table and the padding-free section from the JSONs and checks them (--check).
 #
 #   bash examples/reproduce_claims.sh --quick   # every CPU claim's tool on a small setting:
-#                                               # about 15 minutes on 2 shared CPU cores
+#       21 minutes from a fresh clone on 2 cores at load average 20-46 (2026-11-29), 4 of them
+#       the packers at two max lengths, since cut to one
 #   bash examples/reproduce_claims.sh           # the settings of the committed JSONs: several
 #                                               # hours on 2 CPU cores (padding-free alone ~1 h)
 #
@@ -55,7 +56,9 @@ step "planner (tools/bench_planner.py)"
 step "schedules (tools/bench_schedules.py)"
 "$PY" tools/bench_schedules.py "${Q[@]}" > "$WORK/schedules.log"
 step "packers (tools/bench_packers.py, no training runs)"
-"$PY" tools/bench_packers.py --data-path "$WORK/flan" --models gpt t5 --max-lengths 2048 4096 \
+PACK_LENGTHS=(2048 4096); [ "$QUICK" = 1 ] && PACK_LENGTHS=(2048)
+"$PY" tools/bench_packers.py --data-path "$WORK/flan" --models gpt t5 \
+    --max-lengths "${PACK_LENGTHS[@]}" \
     --json-out docs/bench_packers.json --markdown docs/BENCHMARKS.md \
     --command "$CMD" > "$WORK/packers.log"
 step "memory model (tools/bench_memory.py)"
