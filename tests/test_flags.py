@@ -44,6 +44,7 @@ PARSER_BEFORE = {
     "--eval-interval": (0, None, 'int', None, False),
     "--eval-iters": (100, None, 'int', None, False),
     "--ffn-hidden-size": (None, None, 'int', None, False),
+    "--exit-signal-handler|--no-exit-signal-handler": (True, None, 'None', 0, False),
     "--finetune": (False, None, 'None', 0, False),
     "--flextp-accuracy-weight": (1.0, None, 'float', None, False),
     "--flextp-ffn-unit": (0, None, 'int', None, False),

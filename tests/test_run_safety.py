@@ -254,3 +254,68 @@ def test_resuming_with_another_tokenizer_of_the_same_size_is_refused_naming_both
     cfg = parse_args("gpt", other + RUN + ["--train-iters", "2", "--load", str(save),
                                            "--finetune"], has_cuda=False)
     check_data_identity(cfg, open_training_data(cfg).identity)    # weights alone: not bound
+
+
+# ---------------------------------------------------------------------------- signals
+
+def torchrun_stats(args, stats_file, nproc: int = 2):
+    code, out = launch(args + ["--stats-file", str(stats_file)], nproc=nproc)
+    assert code == 0, out[-3000:]
+    return [json.loads(line) for line in open(stats_file)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_the_iteration_and_resume_repeats_the_straight_run(
+        sp_dataset, tmp_path):
+    """SIGTERM ended a run in about a second with no checkpoint and no word from the trainer.
+    Now both ranks finish the iteration, save it, rank 0 says so in one line, and each rank
+    exits 0; resuming gives the losses the uninterrupted run has (dropout off, so nothing
+    but the saved state decides them)."""
+    import signal
+    import time
+    args = sp_dataset + RUN + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    save, stats = tmp_path / "ckpt", tmp_path / "stopped.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "pretrain_gpt.py",
+           *args, "--train-iters", "1000", "--save", str(save), "--stats-file", str(stats)]
+    with open(tmp_path / "stopped.out", "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=env_with_repo(), stdout=out,
+                                    stderr=subprocess.STDOUT)
+        try:      # wait (for as long as it takes) until two iterations are logged
+            while not (stats.exists() and len(stats.read_text().splitlines()) >= 2):
+                assert launcher.poll() is None, (tmp_path / "stopped.out").read_text()[-3000:]
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=120)
+        finally:
+            launcher.kill()
+    text = (tmp_path / "stopped.out").read_text()
+    stopped = tracker(save)
+    assert int(stopped) >= 2 and f"iter_{int(stopped):07d}" in os.listdir(save), text[-3000:]
+    assert text.count("[train] SIGTERM: stopped after iteration") == 1, text[-3000:]
+    assert (f"[train] SIGTERM: stopped after iteration {stopped} of 1000; saved checkpoint of "
+            f"iteration {stopped} to {save} (resume with --load {save})") in text
+    assert "exitcode  : -" not in text and "pretrain_gpt.py: error" not in text
+    assert not (save / ckpt.LOCK).exists()
+    done = int(stopped)
+    straight = torchrun_stats(args + ["--train-iters", str(done + 2)], tmp_path / "straight")
+    resumed = torchrun_stats(args + ["--train-iters", str(done + 2), "--load", str(save)],
+                             tmp_path / "resumed")
+    assert [s["iteration"] for s in resumed] == [done + 1, done + 2]
+    assert [s["loss"] for s in resumed] == [s["loss"] for s in straight[done:]]
+
+
+def test_the_first_signal_is_remembered_and_a_second_exits_at_once():
+    script = ("import os, signal\n"
+              "from megatron.training.exit_signals import ExitSignals\n"
+              "with ExitSignals() as signals:\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    print('after the first:', signals.agreed(), flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env_with_repo(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + 15
+    assert done.stdout == "after the first: SIGINT\n"
+    assert done.stderr.endswith("[train] a second SIGTERM: exiting at once, without a "
+                                "checkpoint\n")

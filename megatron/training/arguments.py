@@ -102,6 +102,7 @@ class TrainConfig:
     no_load_rng: bool  # --load without RNG states (reseed)
     overwrite_checkpoints: bool  # --save's checkpoints set aside, not refused
     override_data_identity: bool  # resume: other data / tokenizer than the checkpoint's
+    exit_signal_handler: bool  # SIGTERM / SIGINT: save at the end of the iteration, exit 0
     global_batch_size: int  # samples per global batch; 0 = token budget
     debug: bool  # a failure prints its traceback too
     mixing_cap: int | None  # FLAN/seqio examples-proportional cap
@@ -838,6 +839,12 @@ FLAGS: tuple[Flag, ...] = (
             help="on --load, keep a fresh optimizer and follow this run's LR flags"),
     declare(CHECKPOINT, "--no-load-rng", action="store_true",
             help="on --load, do not restore RNG states (reseed from --seed)"),
+    declare(CHECKPOINT, "--exit-signal-handler", action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on SIGTERM or SIGINT, finish the current iteration, save a checkpoint "
+                 "(with --save), say so in one line and exit 0; a second signal exits at "
+                 "once (Megatron-LM's flag; on by default here, --no-exit-signal-handler "
+                 "leaves the signals to Python)"),
     declare(CHECKPOINT, "--override-data-identity", action="store_true",
             help="on --load, resume although the tokenizer or datasets differ from those "
                  "the checkpoint was trained on (refused otherwise, naming both)"),

@@ -48,6 +48,7 @@ from megatron.base.collectives import gather_from_ranks, problems_of_all_ranks
 from megatron.base.distributed_setup import (ParallelLayout, pipeline_p2p_groups,
                                                   setup_model_parallel, use_cuda)
 from megatron.training.evaluation import Evaluator, held_out_summary
+from megatron.training.exit_signals import ExitSignals
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
                                         global_mean_loss, make_handlers,
                                         micro_batch_order)
@@ -780,15 +781,28 @@ def gather_time_parts(history: list[IterationStats]) -> list[dict]:
     return gather_from_ranks(mine)
 
 
-def save(run: TrainingRun, iterations_done: int) -> None:
+def save(run: TrainingRun, iterations_done: int, say: bool = True) -> None:
     sampler_state = run.data.sampler.state_dict(run.data.sampler.consumed_before(iterations_done))
     with checkpoint_layout(run.flextp):
         checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules,
                                       run.optimizer, sampler_state, run.cfg, run.layout.rank,
                                       run.layout.world_size, run.layout,
                                       data_identity=run.data.identity)
-    if run.layout.rank == 0:
+    if run.layout.rank == 0 and say:
         print(f"[train] saved checkpoint of iteration {iterations_done} to {run.cfg.save}",
+              flush=True)
+
+
+def stop_on_signal(run: TrainingRun, name: str, done: int, saved: bool) -> None:
+    """After the iteration in which some rank received signal `name` (exit_signals.py): save
+    unless that iteration just did, and say so in one line on rank 0."""
+    cfg = run.cfg
+    if cfg.save and not saved:
+        save(run, done, say=False)
+    if run.layout.rank == 0:
+        what = (f"saved checkpoint of iteration {done} to {cfg.save} (resume with --load "
+                f"{cfg.save})" if cfg.save else "no --save, so no checkpoint")
+        print(f"[train] {name}: stopped after iteration {done} of {cfg.train_iters}; {what}",
               flush=True)
 
 
@@ -807,26 +821,34 @@ def evaluate_or_fail(run: TrainingRun, iterations_done: int):
 
 
 def train(run: TrainingRun) -> list[IterationStats]:
-    """The training loop; returns the per-iteration stats (identical on every rank)."""
+    """The training loop; returns the per-iteration stats (identical on every rank). SIGTERM /
+    SIGINT end it after the current iteration, with a checkpoint (exit_signals.py)."""
     cfg = run.cfg
     profiler = IterationProfiler(cfg, run.layout.rank, run.layout.device)
     try:
-        for iteration in range(run.start_iteration, cfg.train_iters):
-            profiler.before(iteration)
-            try:
-                stats = train_step(run, iteration)
-            except Exception as err:
-                raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
-                                     f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): iteration "
-                                     f"{iteration} failed: {type(err).__name__}: {err}") from err
-            profiler.after(iteration)
-            run.logger.log(stats)
-            done = iteration + 1
-            if run.evaluator is not None and run.evaluator.due(done):
-                run.logger.log_validation(evaluate_or_fail(run, done))
-            if cfg.save and (done == cfg.train_iters or
-                             (cfg.save_interval and done % cfg.save_interval == 0)):
-                save(run, done)
+        with ExitSignals(cfg.exit_signal_handler) as signals:
+            for iteration in range(run.start_iteration, cfg.train_iters):
+                profiler.before(iteration)
+                try:
+                    stats = train_step(run, iteration)
+                except Exception as err:
+                    raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
+                                         f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): "
+                                         f"iteration {iteration} failed: "
+                                         f"{type(err).__name__}: {err}") from err
+                profiler.after(iteration)
+                run.logger.log(stats)
+                done = iteration + 1
+                if run.evaluator is not None and run.evaluator.due(done):
+                    run.logger.log_validation(evaluate_or_fail(run, done))
+                saved = bool(cfg.save) and (done == cfg.train_iters or
+                                            (cfg.save_interval and done % cfg.save_interval == 0))
+                if saved:
+                    save(run, done)
+                name = signals.agreed()
+                if name:
+                    stop_on_signal(run, name, done, saved)
+                    break
         profiler.stop(cfg.train_iters)
         run.logger.log_time_parts(gather_time_parts(run.logger.history[1:]
                                                     or run.logger.history))
