@@ -120,7 +120,8 @@ def test_gpt_dynamic_plan_is_brute_force_optimum(seed):
     # a memory limit that makes long segments infeasible and some need recompute
     limit = [2e8, 8e7, 3e8][seed % 3]
     config = PlannerConfig(model="gpt", max_seq_len=1024, pipeline_stages=stages,
-                           data_parallel=1 + seed % 2, memory_limit_bytes=limit)
+                           data_parallel=1 + seed % 2, memory_limit_bytes=limit,
+                           dynamic_layout="padded")
     plan = plan_micro_batches(lengths, config, cost, "dynamic")
     expected = _planner_brute_force(lengths, config, cost)
     assert plan.info["objective_ms"] == pytest.approx(expected, rel=1e-9)
@@ -139,7 +140,8 @@ def test_t5_dynamic_plan_is_brute_force_optimum(seed):
     config = PlannerConfig(model="t5", max_seq_len=512, max_dec_seq_len=128,
                            pipeline_stages=[1, 2, 4][seed % 3],
                            memory_limit_bytes=[1.5e8, 4e7][seed % 2],
-                           t5_order=["snake", "enc", "cluster-tsp"][seed % 3])
+                           t5_order=["snake", "enc", "cluster-tsp"][seed % 3],
+                           dynamic_layout="padded")
     plan = plan_micro_batches(lengths, config, cost, "dynamic")
     assert plan.info["objective_ms"] == pytest.approx(
         _planner_brute_force(lengths, config, cost), rel=1e-9)

@@ -199,7 +199,7 @@ class MixCostModel(CostModel):
 
 def mix_config(schedule: str) -> IterationPlannerConfig:
     planner = PlannerConfig(model="gpt", max_seq_len=256, pipeline_stages=2, data_parallel=1,
-                            recompute_modes=("none",))
+                            recompute_modes=("none",), dynamic_layout="padded")
     return IterationPlannerConfig(GPT, planner, "dynamic", schedule, pp=2, dp=1)
 
 

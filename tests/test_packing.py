@@ -389,12 +389,11 @@ def test_spfhp_reproduces_reference_pack_counts(name, depth):
 
 
 def test_histogram_packer_table_shows_nnlshp_and_refusals():
-    from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS
     from dynapipe_ext.report.packing_table import packing_markdown
     rows = [dict(name="toy", depth=3, algorithm=a, packs=10 + k, efficiency=0.9 + k / 100)
-            for k, a in enumerate(HISTOGRAM_PACKERS)]
+            for k, a in enumerate(HISTOGRAM_ALGORITHMS)]
     rows += [dict(name="toy", depth=16, algorithm=a, packs=None if a == "nnlshp" else 9,
-                  efficiency=None if a == "nnlshp" else 0.99) for a in HISTOGRAM_PACKERS]
+                  efficiency=None if a == "nnlshp" else 0.99) for a in HISTOGRAM_ALGORITHMS]
     text = packing_markdown(rows)
     assert "| toy | 3 | 10 | 11 | 12 | 13 | 0.9000 / 0.9100 / 0.9200 / 0.9300 |" in text
     assert "| toy | 16 | 9 | 9 | 9 | - | 0.9900 / 0.9900 / 0.9900 / - |" in text

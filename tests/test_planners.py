@@ -31,14 +31,15 @@ def t5_lengths(n=120, seed=0, max_enc=1024, max_dec=256):
 
 
 def gpt_setup(**kw):
-    config = dict(model="gpt", max_seq_len=1024, pipeline_stages=2, memory_limit_bytes=4e8)
+    config = dict(model="gpt", max_seq_len=1024, pipeline_stages=2, memory_limit_bytes=4e8,
+                  dynamic_layout="padded")
     config.update(kw)
     return PlannerConfig(**config), AnalyticCostModel(GPT)
 
 
 def t5_setup(**kw):
     config = dict(model="t5", max_seq_len=1024, max_dec_seq_len=256, pipeline_stages=2,
-                  memory_limit_bytes=4e8)
+                  memory_limit_bytes=4e8, dynamic_layout="padded")
     config.update(kw)
     return PlannerConfig(**config), AnalyticCostModel(T5)
 
@@ -218,7 +219,7 @@ def test_recompute_escalates_only_where_memory_demands():
     need_none = float(memory_needed(cost.stage_cost_arrays(np.array([1]), np.array([1024]),
                                                            np.array([0]), 2, "none"))[0])
     config = PlannerConfig(model="gpt", max_seq_len=1024, pipeline_stages=2,
-                           memory_limit_bytes=need_none * 0.8)
+                           memory_limit_bytes=need_none * 0.8, dynamic_layout="padded")
     plan = plan_micro_batches(lengths, config, cost, "dynamic")
     modes = {mb.recompute for mb in plan.micro_batches}
     assert "none" in modes and modes - {"none"}
@@ -228,7 +229,8 @@ def test_recompute_escalates_only_where_memory_demands():
                                config.recompute_modes, config.memory_limit_bytes)
         assert config.recompute_modes[int(c.mode[0])] == mb.recompute
     no_recompute = PlannerConfig(model="gpt", max_seq_len=1024, pipeline_stages=2,
-                                 memory_limit_bytes=need_none * 0.8, recompute_modes=("none",))
+                                 memory_limit_bytes=need_none * 0.8, recompute_modes=("none",),
+                                 dynamic_layout="padded")
     with pytest.raises(PlanningError, match="seq_len=1024"):
         plan_micro_batches(lengths, no_recompute, cost, "dynamic")
 

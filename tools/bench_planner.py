@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dynapipe_ext.costs.cost_model import AnalyticCostModel  # noqa: E402
-from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS  # noqa: E402
+from dynapipe_ext.batching.packing import HISTOGRAM_ALGORITHMS  # noqa: E402
 from dynapipe_ext.batching.planners import (PlannerConfig, effective_lengths,  # noqa: E402
                                    plan_metrics, plan_micro_batches)
 from dynapipe_ext.batching.synthetic import (DEVICE, GPT_SPEC, T5_SPEC, global_batch,  # noqa: E402
@@ -59,7 +59,7 @@ def bench_point(model: str, tokens: int, max_len: int, stages: int, repeats: int
                              max_dec_seq_len=max_dec if model == "t5" else None, **DEVICE)
     config = PlannerConfig(model=model, max_seq_len=max_len, max_dec_seq_len=max_dec,
                            pipeline_stages=stages, tokens_per_global_batch=tokens,
-                           overlong="truncate")
+                           overlong="truncate", dynamic_layout="padded")
     lengths = global_batch(model, tokens, max_len, max_dec, seed)
     lengths, _ = effective_lengths(lengths, config)
     rows = []
@@ -245,7 +245,8 @@ def flan_sample_rows(num_samples: int, seed: int, batches: int, max_len: int = 2
                 config = PlannerConfig(model=model, max_seq_len=max_len,
                                        max_dec_seq_len=max_dec if model == "t5" else 0,
                                        pipeline_stages=stages, round_to=round_to,
-                                       min_padding_efficiency=min_eff)
+                                       min_padding_efficiency=min_eff,
+                                       dynamic_layout="padded")
                 per_batch = []
                 for b in batch_lengths:
                     t0 = time.process_time()
@@ -318,7 +319,7 @@ def ordering_rows(seeds: int, repeats: int, max_len: int = 2048, max_dec: int = 
         for seed in range(seeds):
             batch = multitask_t5_batch(seed, tokens, max_len=max_len, max_dec=max_dec)
             config = PlannerConfig(model="t5", max_seq_len=max_len, max_dec_seq_len=max_dec,
-                                   pipeline_stages=stages)
+                                   pipeline_stages=stages, dynamic_layout="padded")
             single, single_cpu = {}, {}
             for name in ORDERS_SHOWN:
                 cpu = []
@@ -399,12 +400,13 @@ def replica_rows(seeds: int) -> list[dict]:
                 if model == "t5":
                     batch = multitask_t5_batch(seed)
                     config = PlannerConfig(model="t5", max_seq_len=2048, max_dec_seq_len=512,
-                                           pipeline_stages=4, data_parallel=dp)
+                                           pipeline_stages=4, data_parallel=dp,
+                                           dynamic_layout="padded")
                     cost = t5_cost
                 else:
                     batch = global_batch("gpt", 65536, 2048, 0, seed)
                     config = PlannerConfig(model="gpt", max_seq_len=2048, pipeline_stages=4,
-                                           data_parallel=dp)
+                                           data_parallel=dp, dynamic_layout="padded")
                     cost = gpt_cost
                 t0 = time.process_time()
                 plan = plan_micro_batches(batch, config, cost, "dynamic")
@@ -460,7 +462,7 @@ def packing_rows() -> list[dict]:
         except ValueError as err:
             raise SystemExit(str(err)) from None
         for depth in (3, 16):
-            for algorithm in HISTOGRAM_PACKERS:
+            for algorithm in HISTOGRAM_ALGORITHMS:
                 t0 = time.process_time()
                 try:
                     packing = pack_histogram(hist, max_len, algorithm, depth)

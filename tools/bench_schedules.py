@@ -67,7 +67,8 @@ def cost_model(num_ranks: int) -> AnalyticCostModel:
 
 def planned_micro_batches(num_ranks: int, strategy: str, num_samples: int, seed: int):
     model = cost_model(num_ranks)
-    config = PlannerConfig(model="gpt", max_seq_len=MAX_SEQ_LEN, pipeline_stages=num_ranks)
+    config = PlannerConfig(model="gpt", max_seq_len=MAX_SEQ_LEN, pipeline_stages=num_ranks,
+                           dynamic_layout="padded")
     lengths = flan_like_gpt_lengths(num_samples, seed)
     return plan_micro_batches(lengths, config, model, strategy).micro_batches, model
 

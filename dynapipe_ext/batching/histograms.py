@@ -9,9 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-# the packers of the Planner section's histogram table
-HISTOGRAM_PACKERS = ("spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
-
 HISTOGRAMS_ENV = "DYNAPIPE_LENGTH_HISTOGRAMS"
 
 

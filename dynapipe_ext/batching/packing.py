@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ALGORITHMS = ("nextfit", "spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
-HISTOGRAM_ALGORITHMS = ("spfhp", "spfhp-grouped", "lpfhp", "nnlshp")
+HISTOGRAM_ALGORITHMS = ALGORITHMS[1:]   # all but next-fit pack a length histogram
 NNLS_MAX_STRATEGIES = 100_000   # beyond this the dense NNLS system gets too big to solve quickly
 NNLS_MAX_ENTRIES = 30_000_000   # lengths x strategies of the dense NNLS matrix (240 MB)
 NNLS_DEFAULT_DEPTH = 3          # Krell et al.'s depth for NNLSHP when none is given

@@ -17,7 +17,7 @@ import numpy as np
 
 from dynapipe_ext.costs.cost_model import CostModel, MicroBatchCosts, cost_micro_batches, memory_needed
 from dynapipe_ext.batching.dp_split import makespan_objective, optimal_split
-from dynapipe_ext.batching.packing import ALGORITHMS
+from dynapipe_ext.batching.packing import ALGORITHMS, pack_pairs, pack_sequences
 from dynapipe_ext.batching.microbatch import (DYNAMIC_LAYOUTS, MODEL_TYPES, RECOMPUTE_MODES, BatchPlan, MicroBatch,
                          as_lengths, packed_cost_shape, padding_efficiency)
 from dynapipe_ext.batching.ordering import (T5_ORDERS, enc_dec_order, groups_order, length_order, refine_groups,
@@ -96,7 +96,7 @@ class PlannerConfig:
     dp_probes: int = 32
     max_segment_samples: int | None = None
     min_padding_efficiency: float | None = None
-    dynamic_layout: str = "padded"
+    dynamic_layout: str = DYNAMIC_LAYOUTS[0]   # "packed", the trainer's --dynamic-layout too
     packed_attention: str = "segments"
 
     @property
@@ -428,7 +428,6 @@ def plan_packing(ctx: PlanningContext) -> list[MicroBatch]:
 
 def _packer_rows(ctx: PlanningContext) -> list:
     """The configured packer's rows (sample ids per row) of the batch at the maximum lengths."""
-    from dynapipe_ext.batching.packing import pack_pairs, pack_sequences   # written alongside; imported when used
     cfg = ctx.config
     if cfg.model == "gpt":
         return pack_sequences(ctx.enc, cfg.max_seq_len, cfg.packing_algorithm,

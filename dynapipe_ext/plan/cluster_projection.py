@@ -25,7 +25,7 @@ def paper_config(tokens: int, dp: int, split: str = "samples") -> IterationPlann
     costs (tools/bench_planner.DEVICE), max length 4096."""
     planner = PlannerConfig(model="gpt", max_seq_len=MAX_LEN, pipeline_stages=PP,
                             data_parallel=dp, tokens_per_global_batch=tokens,
-                            overlong="truncate")
+                            overlong="truncate", dynamic_layout="padded")
     return IterationPlannerConfig(PAPER_GPT, planner, pp=PP, dp=dp, tp=TP, dtype="bfloat16",
                                   replica_split=split,
                                   cost_model=CostModelSource.analytic(max_seq_len=MAX_LEN,

@@ -84,10 +84,6 @@ class FreeBuffer(Instruction):
     buffer: int
 
 
-SENDS = (SendActivationStart, SendGradStart)
-RECVS = (RecvActivationStart, RecvGradStart)
-
-
 @dataclass(frozen=True)
 class ExecutionPlan:
     """Everything one pipeline rank of one data-parallel replica runs in one iteration."""

@@ -54,7 +54,8 @@ def planner_setup(model: str, max_len: int, laws: dict | None = None,
                                   num_stages=STAGES)
     config = PlannerConfig(model=model, max_seq_len=max_len, max_dec_seq_len=max_dec,
                            pipeline_stages=STAGES, tokens_per_global_batch=tokens,
-                           overlong="truncate", packing_algorithm="nextfit")
+                           overlong="truncate", packing_algorithm="nextfit",
+                           dynamic_layout="padded")
     return config, cost
 
 

@@ -18,7 +18,8 @@ Checks (each failure is a PlanError naming rank, instruction index and what is w
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, FreeBuffer, LoadInput,
                            RecvActivationFinish, RecvActivationStart, RecvGradFinish,
@@ -66,13 +67,33 @@ def _check_headers(plans: Sequence[ExecutionPlan]) -> None:
                             f"{len(first.micro_batches)}")
 
 
+@dataclass
+class _OpenTransfer:
+    """A transfer this rank started: its start instruction and index, whether it finished,
+    and `order`: how many starts of its kind to the same peer came before it."""
+
+    start: object
+    index: int
+    order: int
+    finished: bool = False
+
+
+class _Wait(NamedTuple):
+    """A finish blocks until rank `peer` has run more than `after` starts counted under `key`
+    ((rank, peer, is_send) of the matching op)."""
+
+    peer: int
+    key: tuple
+    after: int
+
+
 class _RankState:
     """What one rank's structural pass learned: its messages per pair and its waits."""
 
     def __init__(self):
         self.sends: dict[int, list] = {}    # dst -> [(index, instr)] of send starts, in order
         self.recvs: dict[int, list] = {}    # src -> [(index, instr)] of receive starts
-        self.waits: list = []               # per instruction: None or (peer, key, k)
+        self.waits: list = []               # per instruction: None or a _Wait
         self.starts: list = []              # per instruction: None or key whose count grows
 
 
@@ -87,7 +108,7 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
     forward_done: set = set()
     backward_done: set = set()
     loaded: set = set()
-    transfers: dict = {}    # (is_send, is_act, mb, stage) -> [start instr, finished, index]
+    transfers: dict = {}    # (is_send, is_act, mb, stage) -> _OpenTransfer
     live: dict = {}         # buffer id -> transfer key owning it
     received: dict = {}     # (is_act, mb, stage) -> buffer id of a finished receive
     state = _RankState()
@@ -155,7 +176,7 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
             if owner is None:
                 _fail(r, i, ins, f"buffer {buf!r} is not live (never written or already freed)")
             entry = transfers[owner]
-            if not entry[1]:
+            if not entry.finished:
                 _fail(r, i, ins, f"buffer {buf} freed before its transfer finished")
             is_send, is_act, tmb, tstage = owner
             user, used = (("Forward", forward_done) if forward_only
@@ -187,7 +208,7 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
                     _fail(r, i, ins, "transfer started twice")
                 if buf in live:
                     _fail(r, i, ins, f"buffer {buf} is still live (held by "
-                                     f"{transfers[live[buf]][0]})")
+                                     f"{transfers[live[buf]].start})")
                 if not isinstance(buf, int) or buf < 0:
                     _fail(r, i, ins, f"buffer id {buf!r} is not a non-negative integer")
                 if is_send and (mb, s) not in (forward_done if is_act else backward_done):
@@ -198,7 +219,7 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
                     if tuple(ins.shapes) != want:
                         _fail(r, i, ins, f"shapes {ins.shapes} but the model hands over {want}")
                 seq = (state.sends if is_send else state.recvs).setdefault(peer, [])
-                transfers[key] = [ins, False, i, len(seq)]
+                transfers[key] = _OpenTransfer(ins, i, len(seq))
                 live[buf] = key
                 seq.append((i, ins))
                 start = (r, peer, is_send)
@@ -206,20 +227,20 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
                 entry = transfers.get(key)
                 if entry is None:
                     _fail(r, i, ins, "finish without a start")
-                if entry[1]:
+                if entry.finished:
                     _fail(r, i, ins, "transfer finished twice")
-                begun = entry[0]
+                begun = entry.start
                 if (begun.peer, begun.buffer, tuple(begun.shapes), begun.dtype) != \
                         (peer, buf, tuple(ins.shapes), ins.dtype):
-                    _fail(r, i, ins, f"differs from its start at instruction {entry[2]} "
+                    _fail(r, i, ins, f"differs from its start at instruction {entry.index} "
                                      f"({begun}) in peer, buffer, shapes or dtype")
                 if live.get(buf) != key:
                     _fail(r, i, ins, f"buffer {buf} no longer holds this transfer")
-                entry[1] = True
+                entry.finished = True
                 if not is_send:
                     received[(is_act, mb, s)] = buf
                 # A finish waits for the peer to have started its (k+1)-th matching op.
-                wait = (peer, (peer, r, not is_send), entry[3])
+                wait = _Wait(peer, (peer, r, not is_send), entry.order)
         else:
             _fail(r, i, ins, f"unknown instruction type {kind.__name__}")
         state.waits.append(wait)
@@ -236,12 +257,12 @@ def _check_rank(plan: ExecutionPlan, num_ranks: int, stage_layers, hidden_size: 
                 if (mb, s) not in done:
                     _fail(r, n, "end of plan", f"{what}(mb={mb}, stage={s}) is missing")
     for key, entry in transfers.items():
-        if not entry[1]:
-            _fail(r, entry[2], entry[0], "transfer started but never finished")
+        if not entry.finished:
+            _fail(r, entry.index, entry.start, "transfer started but never finished")
     if live:
         buf, key = next(iter(live.items()))
         _fail(r, n, "end of plan", f"{len(live)} buffer(s) never freed, e.g. buffer {buf} of "
-                                   f"{transfers[key][0]}")
+                                   f"{transfers[key].start}")
     return state
 
 
@@ -286,8 +307,8 @@ def _simulate(plans: Sequence[ExecutionPlan], states: Sequence[_RankState]) -> N
         i = pos[r]
         while i < n:
             w = waits[i]
-            if w is not None and started.get(w[1], 0) <= w[2]:
-                waiters.setdefault(w[1], []).append(r)
+            if w is not None and started.get(w.key, 0) <= w.after:
+                waiters.setdefault(w.key, []).append(r)
                 break
             key = starts[i]
             if key is not None:
@@ -305,7 +326,7 @@ def _simulate(plans: Sequence[ExecutionPlan], states: Sequence[_RankState]) -> N
     while r not in seen and r in stuck:
         seen.append(r)
         i = pos[r]
-        peer = states[r].waits[i][0]
+        peer = states[r].waits[i].peer
         lines.append(f"rank {r} at instruction {i} ({plans[r].instructions[i]}) waits for rank "
                      f"{peer} to start the matching op; rank {peer} is at instruction "
                      f"{pos[peer]}")

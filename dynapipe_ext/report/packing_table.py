@@ -2,7 +2,7 @@
 and the helpers of the Packers section (tools/bench_packers.py)."""
 from __future__ import annotations
 
-from dynapipe_ext.batching.histograms import HISTOGRAM_PACKERS
+from dynapipe_ext.batching.packing import HISTOGRAM_ALGORITHMS
 from dynapipe_ext.batching.packing import ALGORITHMS as PACKERS  # the Packers section's
 
 
@@ -20,7 +20,7 @@ def packing_markdown(rows: list[dict]) -> str:
              "efficiency spfhp / grouped / lpfhp / nnlshp |", "|---|---:|---:|---:|---:|---:|---:|"]
     by = {(r["name"], r["depth"], r["algorithm"]): r for r in rows}
     for name, depth in dict.fromkeys((r["name"], r["depth"]) for r in rows):
-        cells = [by[name, depth, a] for a in HISTOGRAM_PACKERS]
+        cells = [by[name, depth, a] for a in HISTOGRAM_ALGORITHMS]
         lines.append(f"| {name} | {depth} | "
                      + " | ".join("-" if c["packs"] is None else str(c["packs"])
                                   for c in cells) + " | "

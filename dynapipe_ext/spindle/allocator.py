@@ -44,11 +44,6 @@ class Allocation:
         raise KeyError(f"MetaOp {op} is not in this allocation")
 
 
-def relaxed_time(m: MetaOp, est: Estimator, x: float) -> float:
-    """T_m(x) for a real share x > 0 (time-sharing one device below x = 1)."""
-    return est.time(m, 1) / x if x < 1 else est.time(m, x)
-
-
 def _share_for(m: MetaOp, est: Estimator, c: float, cap: int) -> float:
     """Least real share in (0, cap] with T_m <= c (cap if even that is too slow)."""
     if est.time(m, float(cap)) > c:

@@ -12,7 +12,6 @@ import atexit
 import datetime
 import operator
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from functools import reduce
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import GlobalMemoryBuffer
 
+from megatron.base.process_world import free_local_port
 from megatron.base.rng import seed_model_parallel
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -51,6 +51,14 @@ class ParallelLayout:
     rank: int
     world_size: int
     device: torch.device
+
+    @classmethod
+    def data_parallel(cls, rank: int, world_size: int) -> "ParallelLayout":
+        """A world of pure data parallelism (TP = PP = 1) on the CPU, for code that needs
+        only where a rank sits (checkpoint files of a process group without model parallel
+        groups)."""
+        return cls(tp=1, pp=1, dp=world_size, tp_rank=0, pp_rank=0, dp_rank=rank, rank=rank,
+                   world_size=world_size, device=torch.device("cpu"))
 
 
 def check_parallel_sizes(world_size: int, tp: int, pp: int, total_layers: int | None = None,
@@ -102,13 +110,6 @@ def seed_everything(seed: int, on_gpu: bool | None = None) -> None:
     seed_model_parallel(seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank(),
                         use_cuda() if on_gpu is None else on_gpu)
-
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound on the loopback only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rendezvous_url(world_size: int) -> str:

@@ -118,7 +118,8 @@ def predicted_vs_measured(spec: ModelSpec, lengths, max_seq_len: int, max_dec_se
                              sigmoid_gelu=True)         # gelu_tanh's CPU fp32 path
     planner = PlannerConfig(model=spec.model, max_seq_len=max_seq_len,
                             max_dec_seq_len=max_dec_seq_len if is_t5 else 0,
-                            pipeline_stages=pp, recompute_modes=(recompute,))
+                            pipeline_stages=pp, recompute_modes=(recompute,),
+                            dynamic_layout="padded")
     mbs = plan_micro_batches(lengths, planner, cost, "dynamic").micro_batches
     schedule = one_f_one_b(len(mbs), pp)
     predicted = predicted_rank_peaks(schedule, costs_from_micro_batches(mbs, cost, pp))

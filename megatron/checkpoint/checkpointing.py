@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.base.collectives import gather_from_ranks, reduce_over_ranks
+from megatron.base.distributed_setup import ParallelLayout
 from megatron.data.flan_indexed import pid_alive
 from megatron.model.full_state import (assemble, load_sharded_state, local_shards,
                                        state_problems, whole)
@@ -126,25 +127,6 @@ def shard_file_name(pp_rank: int, tp_rank: int) -> str:
 
 def common_file(directory: str, iteration: int) -> str:
     return os.path.join(iteration_dir(directory, iteration), COMMON)
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a rank sits (the fields of distributed_setup.ParallelLayout that matter here)."""
-
-    rank: int
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
-
-
-def data_parallel_place(rank: int, world_size: int) -> Place:
-    """A world of pure data parallelism (TP = PP = 1)."""
-    return Place(rank, world_size, dp=world_size, dp_rank=rank)
 
 
 def layout_record(place) -> dict:
@@ -522,11 +504,11 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
                     cfg, rank: int, world_size: int, layout=None,
                     data_identity: dict | None = None) -> str:
     """Write this rank's part of the state after `iteration` completed iterations; every rank
-    must call it. `layout` (a ParallelLayout or Place) says where the rank sits; without it the
+    must call it. `layout` (a ParallelLayout) says where the rank sits; without it the
     world is pure data parallelism. `data_identity` (the tokenizer and datasets trained on,
     training.data_identity) is recorded in common.pt as "data". If any rank fails to write (a full disk, ...), every rank
     raises and `latest` stays where it was. Returns the path of this rank's own file."""
-    place = layout or data_parallel_place(rank, world_size)
+    place = layout or ParallelLayout.data_parallel(rank, world_size)
     folder = iteration_dir(directory, iteration)
     # data-parallel replica 0 writes the model and optimizer shards; TP rank 0 alone the
     # parameters every TP rank holds whole
@@ -909,7 +891,7 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
     --finetune loads the weights alone and starts at iteration 0; --no-load-optim keeps a fresh
     optimizer and this run's LR schedule flags; --no-load-rng (or another layout) reseeds.
     Returns (completed iterations, sampler state or None)."""
-    place = layout or data_parallel_place(rank, world_size)
+    place = layout or ParallelLayout.data_parallel(rank, world_size)
     named = list(global_parameters(modules))
     iteration, loaded = choose_checkpoint(directory, cfg, place, {n for n, _ in named},
                                           model_signature(cfg, modules))

@@ -7,98 +7,56 @@ from __future__ import annotations
 
 import datetime
 import functools
-import multiprocessing as mp
-import os
-import queue
-import socket
 import time
-import traceback
 
 import numpy as np
 
 from dynapipe_ext.plan.cluster import block_replicas
 from dynapipe_ext.plan.cluster_projection import PP, batch_lengths, paper_config
+from megatron.base.process_world import run_in_processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _sim_rank(rank: int, world: int, port: int, nodes: int, tokens: int, dp: int,
-              iterations: int, workers: int, results) -> None:
+def _sim_rank(rank: int, world: int, nodes: int, tokens: int, dp: int, iterations: int,
+              workers: int) -> dict:
     """One rank of the simulation: real plan delivery; node leaders plan, every rank decodes
     and checks its plans."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world // nodes))
-    try:
-        import torch
-        import torch.distributed as dist
-        from megatron.planning.plan_delivery import start_plan_delivery
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
-        per_node = world // nodes
-        node, j = divmod(rank, per_node)
-        replicas = block_replicas(node, nodes, dp)
-        dp_rank, pp_rank = replicas[j % len(replicas)], j % PP
-        delivery = start_plan_delivery(paper_config(tokens, dp),
-                                       functools.partial(batch_lengths, tokens), rank, world,
-                                       dp_rank, pp_rank, 0, iterations, num_workers=workers,
-                                       prefetch=1, timeout_s=1800, replicas=replicas)
-        rows = []
-        with delivery:
-            for it in range(iterations):
-                got = delivery.fetch(it)
-                assert (got.plan.iteration, got.plan.dp_rank, got.plan.pp_rank) == \
-                    (it, dp_rank, pp_rank), (rank, it)
-                timings = got.planning_ms or {}
-                rows.append({"iteration": it, "wait_s": got.wait_s,
-                             "cpu_s": timings.get("cpu", 0.0) / 1e3,
-                             "wall_s": timings.get("total", 0.0) / 1e3})
-            dist.barrier()
-        results.put((rank, "ok", {"node": node, "leader": delivery.is_leader,
-                                  "replicas": len(replicas), "rows": rows}))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    from megatron.planning.plan_delivery import start_plan_delivery
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+    per_node = world // nodes
+    node, j = divmod(rank, per_node)
+    replicas = block_replicas(node, nodes, dp)
+    dp_rank, pp_rank = replicas[j % len(replicas)], j % PP
+    delivery = start_plan_delivery(paper_config(tokens, dp),
+                                   functools.partial(batch_lengths, tokens), rank, world,
+                                   dp_rank, pp_rank, 0, iterations, num_workers=workers,
+                                   prefetch=1, timeout_s=1800, replicas=replicas)
+    rows = []
+    with delivery:
+        for it in range(iterations):
+            got = delivery.fetch(it)
+            assert (got.plan.iteration, got.plan.dp_rank, got.plan.pp_rank) == \
+                (it, dp_rank, pp_rank), (rank, it)
+            timings = got.planning_ms or {}
+            rows.append({"iteration": it, "wait_s": got.wait_s,
+                         "cpu_s": timings.get("cpu", 0.0) / 1e3,
+                         "wall_s": timings.get("total", 0.0) / 1e3})
+        dist.barrier()
+    return {"node": node, "leader": delivery.is_leader, "replicas": len(replicas),
+            "rows": rows}
 
 
 def simulate(nodes: int, ranks_per_node: int, tokens: int, dp: int, iterations: int,
              workers: int = 1, timeout_s: float = 3600.0) -> dict:
     """Run the simulation with `nodes` x `ranks_per_node` processes; per-node planning times."""
     world = nodes * ranks_per_node
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_sim_rank, args=(r, world, port, nodes, tokens, dp,
-                                                 iterations, workers, results))
-             for r in range(world)]
     start = time.monotonic()
-    for p in procs:
-        p.start()
-    done = {}
-    try:
-        while len(done) < world:
-            try:
-                rank, status, value = results.get(timeout=5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode]
-                if dead or time.monotonic() - start > timeout_s:
-                    raise RuntimeError(f"simulation ranks {dead or 'all'} failed or timed out")
-                continue
-            if status == "error":
-                raise RuntimeError(f"simulation rank {rank} failed:\n{value}")
-            done[rank] = value
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
+    done = run_in_processes(_sim_rank, world, (nodes, tokens, dp, iterations, workers),
+                            timeout_s=timeout_s, daemon=False, ranks_per_node=ranks_per_node)
     wall = time.monotonic() - start
-    leaders = [v for v in done.values() if v["leader"]]
+    leaders = [v for v in done if v["leader"]]
     later = [row for v in leaders for row in v["rows"] if row["iteration"] > 0]
-    waits = [row["wait_s"] for v in done.values() for row in v["rows"] if row["iteration"] > 0]
+    waits = [row["wait_s"] for v in done for row in v["rows"] if row["iteration"] > 0]
     return {"nodes": nodes, "ranks": world, "dp": dp, "tokens": tokens,
             "replicas_per_node": dp // nodes, "iterations": iterations,
             "node_cpu_s": float(np.mean([r["cpu_s"] for r in later])),

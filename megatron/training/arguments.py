@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
-from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES
+from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES, PlannerConfig
 from dynapipe_ext.costs.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS, stage_layout
@@ -686,7 +686,8 @@ FLAGS: tuple[Flag, ...] = (
             help="pack this many samples of the data stream together ahead of "
                  "training (dataset-level packing, Krell et al.) and make global "
                  "batches of whole rows; 0 (default): pack each global batch alone"),
-    declare(PLANNING, "--dynamic-layout", choices=DYNAMIC_LAYOUTS, default="packed",
+    declare(PLANNING, "--dynamic-layout", choices=DYNAMIC_LAYOUTS,
+            default=PlannerConfig.dynamic_layout,
             validated_by="PlannerConfig",
             help="how --micro-batching dynamic lays out a micro-batch: 'packed' "
                  "(default), one token stream of its samples (no padding but the "
@@ -1009,10 +1010,6 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
         cost_model=given(args.cost_model, default_cost_model(has_cuda)),
         lr_decay_iters=given(args.lr_decay_iters, max(args.train_iters, args.lr_warmup_iters)),
         lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0))
-
-
-def config_field_names() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]
 
 
 FLAGS_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
