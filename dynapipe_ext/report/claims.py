@@ -496,7 +496,7 @@ CLAIMS = (
           f"{EQUAL_PADDING} real tokens per slot), GPT",
           lambda d: equal_padding(d, "gpt"), "CPU, 2 ranks", "measured", (PF,),
           "#against-packing-at-its-very-best",
-          "And once padding is equal?"),
+          "And once padding is equal (GPT; T5 pair packing cannot fill its slots)?"),
     Claim("The same, T5", lambda d: equal_padding(d, "t5"), "CPU, 2 ranks", "measured", (PF,),
           "#against-packing-at-its-very-best"),
     Claim("Real tokens per slot", dynamic_slots, "CPU, 2 ranks", "measured", (PF,),
@@ -725,7 +725,8 @@ def padding_free_section(docs: dict) -> str:
         *measured_table(rows_of(doc)),
         "",
         "What it answers (ratios round by round against packing at its very best, median and "
-        "min-max):",
+        "min-max; the table's 'vs fastest packing' divides the median rounds instead, so the "
+        "two differ where rounds spread):",
     ]
     rows = rows_of(doc)
     for model in ("gpt", "t5"):
