@@ -10,6 +10,8 @@ cd "$repo"
 bash examples/prepare_data.sh
 
 echo "[quickstart] training GPT: 2 processes, pipeline-parallel 2, dynamic micro-batches"
+# one thread per rank, what torchrun would set itself after printing a notice about it
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
   pretrain_gpt.py \
   --data-path data/quickstart/flan --tokenizer-type SentencePieceTokenizer \

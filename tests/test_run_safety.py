@@ -319,3 +319,25 @@ def test_the_first_signal_is_remembered_and_a_second_exits_at_once():
     assert done.stdout == "after the first: SIGINT\n"
     assert done.stderr.endswith("[train] a second SIGTERM: exiting at once, without a "
                                 "checkpoint\n")
+
+
+# ---------------------------------------------------------------------------- one-line errors
+
+def test_the_vocabulary_padding_error_names_the_divisor_that_pads_both_layouts_alike():
+    """GPT-2 BPE's 50,257 tokens: 50,304 rows at TP=1 and 50,432 at TP=2 with the default 128;
+    64 pads them to 50,304 at TP=2 too."""
+    hint = ckpt.vocab_padding_hint(50257, 50304, 2, 128)
+    assert hint.endswith("; --make-vocab-size-divisible-by 64 pads its 50257 tokens to the "
+                         "checkpoint's 50304 rows at TP=2)")
+    assert "--make-vocab-size-divisible-by 128 pads its 50257 tokens to the checkpoint's " \
+           "50304 rows at TP=1" in ckpt.vocab_padding_hint(50257, 50304, 1, 128)
+    assert "no value pads its 50257 tokens to the checkpoint's 50305 rows at TP=2" in \
+        ckpt.vocab_padding_hint(50257, 50305, 2, 128)
+
+
+@pytest.mark.parametrize("weight", ["inf", "nan", "-1"])
+def test_a_blend_weight_that_is_not_a_finite_positive_number_is_one_line(weight):
+    from megatron.data.blend import parse_data_path
+    with pytest.raises(ValueError) as err:
+        parse_data_path([weight, "a", "1", "b"])
+    assert str(err.value) == f"--data-path: weight {weight} of a must be > 0 and finite"

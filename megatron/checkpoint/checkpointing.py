@@ -74,7 +74,7 @@ from megatron.base.collectives import gather_from_ranks, reduce_over_ranks
 from megatron.base.distributed_setup import ParallelLayout
 from megatron.data.flan_indexed import pid_alive
 from megatron.model.full_state import (assemble, load_sharded_state, local_shards,
-                                       state_problems, whole)
+                                       saved_shape, state_problems, whole)
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -911,11 +911,12 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
         load_sharded_state(named, loaded.model, place.tp_rank, place.tp,
                            f"{iteration_dir(directory, iteration)}")
     except ValueError as err:
-        divisor = getattr(cfg, "make_vocab_size_divisible_by", 128)
-        hint = (f" (the vocabulary is padded to a multiple of {divisor} x TP, "
-                f"--make-vocab-size-divisible-by {divisor}, so some TP sizes pad it "
-                f"differently; pick a value that pads both alike)"
-                if "word_embeddings.weight: shape" in str(err) else "")
+        hint = ""
+        rows = [saved_shape(shards)[0] for name, shards in loaded.model.items()
+                if name.endswith("word_embeddings.weight")]
+        if "word_embeddings.weight: shape" in str(err) and rows:
+            hint = vocab_padding_hint(model_vocab_size(modules), rows[0], place.tp,
+                                      getattr(cfg, "make_vocab_size_divisible_by", 128))
         raise CheckpointError(f"{err}{hint}") from None
     optimizer.main_from_model()
     finetune = getattr(cfg, "finetune", False)
@@ -949,6 +950,26 @@ def load_checkpoint(directory: str, modules, optimizer, cfg, rank: int, world_si
                   f"rank reseeds from --seed and iteration {iteration}", flush=True)
         reseed(cfg.seed, iteration)
     return start, (None if finetune else common["sampler"])
+
+
+def vocab_padding_hint(vocab: int | None, saved_rows: int, tp: int, divisor: int) -> str:
+    """A clause saying how the vocabulary is padded and which --make-vocab-size-divisible-by
+    pads `vocab` tokens to the checkpoint's `saved_rows` at this TP (a power of two if one
+    does, the largest such)."""
+    def rows(d: int) -> int:
+        return -(-vocab // (d * tp)) * d * tp
+
+    head = (f" (the vocabulary is padded to a multiple of {divisor} x TP, "
+            f"--make-vocab-size-divisible-by {divisor}, so some TP sizes pad it differently")
+    if vocab is None:
+        return head + "; pick a value that pads both alike)"
+    candidates = sorted(range(1, max(divisor, 128) + 1), key=lambda d: (d & (d - 1) != 0, -d))
+    fits = [d for d in candidates if rows(d) == saved_rows]
+    if not fits:
+        return head + (f"; no value pads its {vocab} tokens to the checkpoint's {saved_rows} "
+                       f"rows at TP={tp})")
+    return head + (f"; --make-vocab-size-divisible-by {fits[0]} pads its {vocab} tokens to the "
+                   f"checkpoint's {saved_rows} rows at TP={tp})")
 
 
 OPTIMIZER_TENSORS = ("exp_avg", "exp_avg_sq", "main")   # shaped like the parameter

@@ -45,8 +45,9 @@ def parse_data_path(tokens: Sequence[str]) -> list[tuple[Optional[float], str]]:
         if value is None or weight(prefix) is not None:
             raise ValueError(f"--data-path {' '.join(tokens)}: expected a weight then a "
                              f"prefix, got {w!r} {prefix!r}")
-        if not value > 0:
-            raise ValueError(f"--data-path: weight {w} of {prefix} must be > 0")
+        if not 0 < value < float("inf"):
+            raise ValueError(f"--data-path: weight {w} of {prefix} must be > 0 and "
+                             f"finite")
         pairs.append((value, prefix))
     return pairs
 
