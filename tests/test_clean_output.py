@@ -55,9 +55,11 @@ def test_wrong_data_path_under_torchrun_prints_one_error_line_for_all_ranks(tmp_
 
 
 @pytest.mark.slow
-def test_default_run_prints_no_warnings(sp_dataset, tmp_path):  # noqa: F811
-    done = launch(sp_dataset + TINY + ["--pipeline-model-parallel-size", "2",
-                                       "--train-iters", "2"], nproc=2)
+@pytest.mark.parametrize("layout", ["--pipeline-model-parallel-size",
+                                    "--tensor-model-parallel-size"])
+def test_default_run_prints_no_warnings(sp_dataset, tmp_path, layout):  # noqa: F811
+    """At TP=2 every rank printed megatron-core's CUDA_DEVICE_MAX_CONNECTIONS advice."""
+    done = launch(sp_dataset + TINY + [layout, "2", "--train-iters", "2"], nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "iter 2/2" in done.stdout
     assert "warning" not in done.stderr.lower(), done.stderr[-3000:]

@@ -24,6 +24,12 @@ def pretrain(model: str, argv=None) -> int:
         "ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     from megatron.training.arguments import ConfigError, parse_args
     from megatron.training.training import RunSetupError, build_run, train
+    from megatron.base.distributed_setup import use_cuda
+    if not use_cuda():
+        # megatron-core asks every TP rank for CUDA_DEVICE_MAX_CONNECTIONS=1 (it orders the CUDA
+        # streams of its async gradient all-reduce; the GPU launchers set it): on CPU there
+        # are no streams to order, and nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
 
     rank = int(os.environ.get("RANK", "0"))
     cfg = parse_flags_once(model, argv, rank, parse_args)
