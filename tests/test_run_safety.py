@@ -341,3 +341,30 @@ def test_a_blend_weight_that_is_not_a_finite_positive_number_is_one_line(weight)
     with pytest.raises(ValueError) as err:
         parse_data_path([weight, "a", "1", "b"])
     assert str(err.value) == f"--data-path: weight {weight} of a must be > 0 and finite"
+
+
+def test_a_hugging_face_folder_that_is_empty_lacks_its_config_or_is_truncated_is_one_line(
+        tmp_path):
+    """transformers spoke of model types ("Unrecognized model"), hub repo ids or a
+    deserialising error, with a traceback."""
+    from safetensors.torch import save_file
+    import torch
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    save_file({"w": torch.zeros(64, 64)}, str(whole / "model.safetensors"))
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    data = (whole / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes(data)
+    (tmp_path / "empty").mkdir()
+    for folder, said in ((tmp_path / "empty", "no config.json there"),
+                         (no_config, "no config.json there"),
+                         (cut, f"{cut / 'model.safetensors'}: truncated or damaged (")):
+        code, out = convert("--from-hf", folder, "--to", tmp_path / "out")
+        assert code == 1 and "Traceback" not in out, out
+        assert out.startswith("convert_checkpoint: ") and said in out and out.count("\n") == 1

@@ -32,6 +32,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
                                        read_hf, read_source_config, write_converted,
                                        write_hf)
+from megatron.checkpoint.hf_convert import check_hf_source  # noqa: E402
 from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group  # noqa: E402
 from megatron.checkpoint.checkpointing import CheckpointError, start_over  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()      # one line of output, not loading / writing bars
     try:
         if a.from_hf:
+            check_hf_source(a.from_hf)
             full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
             rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size,
                                      a.make_vocab_size_divisible_by)

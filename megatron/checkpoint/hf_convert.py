@@ -94,6 +94,37 @@ class ConversionError(ValueError):
     """A checkpoint this converter cannot map; the message names what and where."""
 
 
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def check_hf_source(directory: str) -> None:
+    """ConversionError naming what is wrong unless `directory` holds what save_pretrained
+    writes: config.json and weights, each safetensors file as long as its header says (for a
+    missing, empty or truncated folder transformers speaks of model types, hub repo ids or a
+    deserialising error instead)."""
+    import os
+
+    from safetensors import safe_open
+    if not os.path.isdir(directory):
+        raise ConversionError(f"--from-hf {directory}: no such folder")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ConversionError(f"--from-hf {directory}: no config.json there (a folder that "
+                              f"save_pretrained wrote holds one)")
+    weights = sorted(n for n in os.listdir(directory) if n.endswith(HF_WEIGHT_SUFFIXES))
+    if not weights:
+        raise ConversionError(f"--from-hf {directory}: no weights there (*.safetensors or "
+                              f"pytorch_model.bin)")
+    for name in (n for n in weights if n.endswith(".safetensors")):
+        path = os.path.join(directory, name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ConversionError(f"{path}: truncated or damaged ({type(err).__name__}: "
+                                  f"{detail})") from None
+
+
 # ---------------------------------------------------------------- QKV row layouts
 
 def qkv_from_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
