@@ -478,7 +478,7 @@ def test_group_query_attention_reaches_the_model_spec_and_megatron_core_config()
 @pytest.mark.parametrize("argv, message", [
     (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
     (["--group-query-attention", "--num-query-groups", "3"],
-     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+     "--num-query-groups 3 must be > 0 and divide --num-attention-heads 4"),
     (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
       "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     (["--group-query-attention", "--tensor-model-parallel-size", "2"],   # default: 1 group

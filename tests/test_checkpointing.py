@@ -698,6 +698,24 @@ def test_a_load_with_other_layer_flags_is_refused_naming_each_flag_and_both_valu
     assert ckpt.load_checkpoint(str(tmp_path), [model], opt, cfg, 0, 1)[0] == 2
 
 
+def test_a_rope_checkpoint_loaded_without_rope_is_refused_naming_the_flags(tmp_path):
+    """Rotary positions and SwiGLU change no tensor a learned-position GeLU model lacks (a
+    learned table is the only difference, and a --finetune load may leave it fresh): the
+    recorded model identity refuses the load."""
+    llama = ("--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu")
+    saved_run(tmp_path, [2], *llama)
+    model, opt = fresh(tiny_config())
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, tiny_config(), 0, 1)
+    for part in ("--position-embedding-type: saved 'rope', now 'learned_absolute'",
+                 "--swiglu: saved True, now False"):
+        assert part in str(err.value), (part, str(err.value))
+    with pytest.raises(ckpt.CheckpointError, match="--rotary-base: saved 500000.0, now 10000.0"):
+        ckpt.load_checkpoint(str(tmp_path), [model], opt, tiny_config(*llama[:2], "--swiglu"),
+                             0, 1)
+    assert ckpt.load_checkpoint(str(tmp_path), [model], opt, tiny_config(*llama), 0, 1)[0] == 2
+
+
 def test_signature_compares_vocabulary_kv_channels_and_relative_buckets():
     t5 = parse_args("t5", ["--train-iters", "10", "--data-path", "unused", "--num-layers", "2",
                            "--decoder-num-layers", "2", "--hidden-size", "8",

@@ -480,7 +480,7 @@ def test_grouped_query_attention_shrinks_k_and_v_in_params_flops_and_kept_bytes(
     per_token_saved = 3 * 2 * 2 * h * (h - 2 * h // 8) * mha.num_layers   # K and V rows
     assert real_flops(mha, [100]) - real_flops(gqa, [100]) == pytest.approx(
         100 * per_token_saved)
-    with pytest.raises(ValueError, match="num_query_groups 3 must be > 0 and divide"):
+    with pytest.raises(ValueError, match="--num-query-groups 3 must be > 0 and divide"):
         dataclasses.replace(mha, num_query_groups=3)
 
 

@@ -110,7 +110,7 @@ PARSER_BEFORE = {
     "--pipeline-waves": (1, None, 'int', None, False),
     "--plan-prefetch": (2, None, 'int', None, False),
     "--position-embedding-type":
-        ('learned_absolute', ('learned_absolute', 'relative'), 'None', None, False),
+        ('learned_absolute', ('learned_absolute', 'relative', 'rope'), 'None', None, False),
     "--profile": (False, None, 'None', 0, False),
     "--profile-dir": (None, None, 'None', None, False),
     "--profile-ranks": ([0], None, 'int', '+', False),
@@ -144,10 +144,23 @@ PARSER_BEFORE = {
     "--vocab-extra-ids": (None, None, 'int', None, False),
     "--vocab-file": (None, None, 'None', None, False),
     "--weight-decay": (0.01, None, 'float', None, False),
+    # the decoder models of today (Llama, Qwen, Mistral)
+    "--add-qkv-bias": (False, None, 'None', 0, False),
+    "--swiglu": (False, None, 'None', 0, False),
+    "--rotary-base": (10000.0, None, 'float', None, False),
+    "--rotary-percent": (1.0, None, 'float', None, False),
+    "--use-rope-scaling": (False, None, 'None', 0, False),
+    "--rope-scaling-factor": (8.0, None, 'float', None, False),
+    "--rope-scaling-low-freq-factor": (1.0, None, 'float', None, False),
+    "--rope-scaling-high-freq-factor": (4.0, None, 'float', None, False),
+    "--rope-scaling-original-max-position-embeddings": (8192, None, 'int', None, False),
 }
 T5_ONLY = {"--decoder-num-layers", "--decoder-seq-length", "--encoder-num-layers",
-           "--encoder-seq-length", "--position-embedding-type",
-           "--relative-attention-max-distance", "--relative-attention-num-buckets"}
+           "--encoder-seq-length", "--relative-attention-max-distance",
+           "--relative-attention-num-buckets"}
+GPT_ONLY = {"--rotary-base", "--rotary-percent", "--use-rope-scaling", "--rope-scaling-factor",
+            "--rope-scaling-low-freq-factor", "--rope-scaling-high-freq-factor",
+            "--rope-scaling-original-max-position-embeddings"}
 EXCLUSIVE = [{"--global-batch-size", "--tokens-per-global-batch"},
              {"--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"}]
 
@@ -239,7 +252,7 @@ def test_generated_parser_takes_the_flags_it_took_before(model):
     assert parser_flags(model) == PARSER_BEFORE
     parser = build_parser(model)
     hidden = {a.option_strings[0] for a in parser._actions if a.help == argparse.SUPPRESS}
-    assert hidden == (T5_ONLY if model == "gpt" else set())
+    assert hidden == (T5_ONLY if model == "gpt" else GPT_ONLY)
     exclusive = [{o for a in g._group_actions for o in a.option_strings}
                  for g in parser._mutually_exclusive_groups]
     assert exclusive == EXCLUSIVE

@@ -17,6 +17,10 @@ from multiproc import single_process_world
 
 GPT = ModelSpec("gpt", 4, 32, 4, 64, max_position_embeddings=64)
 T5 = ModelSpec("t5", 2, 32, 4, 64, num_decoder_layers=2, max_position_embeddings=64)
+# Llama-style: RMSNorm, rotary positions, SwiGLU, grouped-query attention, q/k/v biases only
+LLAMA = dataclasses.replace(GPT, normalization="RMSNorm", position_embedding_type="rope",
+                            swiglu=True, num_query_groups=2, add_bias_linear=False,
+                            add_qkv_bias=True, ffn_hidden_size=48)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,8 @@ def run_chain(stages, batch):
     return inputs
 
 
-@pytest.mark.parametrize("spec,num_stages", [(GPT, 2), (GPT, 4), (T5, 2), (T5, 4)])
+@pytest.mark.parametrize("spec,num_stages", [(GPT, 2), (GPT, 4), (T5, 2), (T5, 4),
+                                             (LLAMA, 4)])
 def test_cut_model_matches_uncut_model(world, spec, num_stages):
     samples = random_samples(spec.model, 5)
     batch = build_micro_batch(unsplit_micro_batch(list(samples), samples, spec.model),
@@ -90,15 +95,16 @@ def _loss_and_grads(stages, batch):
                            for n, p in m.named_global_parameters()}
 
 
-@pytest.mark.parametrize("cut", [(5, 3), (3, 5), (1, 2, 4, 1), (2, 2, 2, 2)])
-def test_half_layer_cut_matches_uncut_model_exactly(world, cut):
+@pytest.mark.parametrize("cut, base", [((5, 3), GPT), ((3, 5), GPT), ((1, 2, 4, 1), GPT),
+                                       ((2, 2, 2, 2), GPT), ((1, 2, 4, 1), LLAMA)])
+def test_half_layer_cut_matches_uncut_model_exactly(world, cut, base):
     """A GPT cut between a layer's attention and MLP (ModelSpec.pipeline_cut) holds each
     parameter once and gives the same loss and gradients, bit for bit, as the uncut model."""
     samples = random_samples("gpt", 5, seed=4)
     batch = build_micro_batch(unsplit_micro_batch(list(samples), samples, "gpt"),
                               samples, "gpt", 0)
-    spec = dataclasses.replace(GPT, pipeline_cut=cut)
-    whole, split = build(GPT, 1), build(spec, len(cut))
+    spec = dataclasses.replace(base, pipeline_cut=cut)
+    whole, split = build(base, 1), build(spec, len(cut))
     names = [n for m in split.values() for n, _ in m.named_global_parameters()]
     assert set(names) == {n for n, _ in whole[0].named_global_parameters()}
     layers = [n for n in names if n.startswith("decoder.layers.")]
@@ -122,7 +128,7 @@ def test_stage_kinds_follow_model_spec(world):
     assert [n for n, _ in stages[3].named_global_parameters()][0].startswith("decoder.layers.1.")
 
 
-@pytest.mark.parametrize("spec", [GPT, T5])
+@pytest.mark.parametrize("spec", [GPT, T5, LLAMA])
 def test_packed_row_equals_samples_alone(world, spec):
     samples = random_samples(spec.model, 2, seed=3)
     stages = build(spec, 1)
@@ -140,10 +146,12 @@ def test_packed_row_equals_samples_alone(world, spec):
     torch.testing.assert_close(loss_packed[0, :sum(target_len)], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_flow_to_every_parameter(world):
-    samples = random_samples("t5", 3)
-    stages = build(T5, 1)
-    batch = build_micro_batch(unsplit_micro_batch(list(samples), samples, "t5"), samples, "t5", 0)
+@pytest.mark.parametrize("spec", [T5, LLAMA])
+def test_gradients_flow_to_every_parameter(world, spec):
+    samples = random_samples(spec.model, 3)
+    stages = build(spec, 1)
+    batch = build_micro_batch(unsplit_micro_batch(list(samples), samples, spec.model), samples,
+                              spec.model, 0)
     losses = stages[0]((), batch)
     ((losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
     no_grad = [n for n, p in stages[0].named_global_parameters()

@@ -30,7 +30,7 @@ def _per_token_linear(spec: ModelSpec) -> tuple[float, float, float]:
     token); the MLP is in the first."""
     h, f, p = spec.hidden_size, spec.ffn_size, spec.attention_width
     kv = spec.query_groups * spec.head_dim     # K and V: one head per query group
-    mlp = (3 if spec.gated_linear_unit else 2) * h * f
+    mlp = (3 if spec.gated_mlp else 2) * h * f
     return 2.0 * (h * p + 2 * h * kv + p * h + mlp), 2.0 * (2 * h * p), 2.0 * (2 * h * kv)
 
 

@@ -274,7 +274,7 @@ class AnalyticCostModel(CostModel):
     @property
     def mlp_matrices(self) -> int:
         """h x f matrices of the MLP: 2, or 3 with a gated linear unit (fc1 has 2f rows)."""
-        return 3 if self.spec.gated_linear_unit else 2
+        return 3 if self.spec.gated_mlp else 2
 
     def layer_params(self, kind: str) -> float:
         """Parameters of one layer kind held by one tensor-parallel rank (biases ignored)."""

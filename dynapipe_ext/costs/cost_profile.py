@@ -38,7 +38,7 @@ import numpy as np
 
 from dynapipe_ext.costs.cost_model import WHOLE_LAYER, CostModel, StageCostArrays, half_layer_shares
 from dynapipe_ext.costs.model_spec import (DEC_EMBEDDING, DEC_LAYER, EMBEDDING, ENC_LAYER, ENC_NORM,
-                         GPT_ATTENTION, GPT_LAYER, HEAD, ModelSpec)
+                         GPT_ATTENTION, GPT_LAYER, HEAD, MODEL_OPTIONS, ModelSpec)
 
 PROFILE_VERSION = 1
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -72,9 +72,8 @@ def profile_kinds(spec: ModelSpec) -> tuple[str, ...]:
     return (EMBEDDING, ENC_LAYER, ENC_NORM, DEC_EMBEDDING, DEC_LAYER, HEAD)
 
 
-LAYER_OPTIONS = ("normalization", "layernorm_epsilon", "add_bias_linear", "gated_linear_unit",
-                 "softmax_scale", "position_embedding_type", "relative_attention_num_buckets",
-                 "relative_attention_max_distance", "kv_channels", "num_query_groups")
+# the ModelSpec options that are not sizes (model_spec.MODEL_OPTIONS)
+LAYER_OPTIONS = tuple(f.name for f in MODEL_OPTIONS if not f.metadata["shape"])
 
 
 # ModelSpec fields a profile does not depend on (tying, the pipeline cut, which vocabulary

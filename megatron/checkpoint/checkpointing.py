@@ -14,8 +14,9 @@
 and `DIR/latest_checkpointed_iteration.txt`. A loading rank reads common.pt, then only the shard
 files the index names for its own parameters (each read once whole to verify its checksum, then
 memory-mapped), assembles and slices them for its TP rank. The model (shape, and every flag that
-changes its function: norm, epsilon, softmax scale, relative buckets, gated MLP, biases,
-vocabulary, ...) must match, naming the flag and both values; the layout need not. Tensors must
+changes its function: each ModelSpec option, e.g. norm, epsilon, softmax scale, positions,
+gated MLP, biases, and the vocabulary) must match, naming the flag and both values; the layout
+need not. Tensors must
 be floating point and shaped like their parameter (Adam moments too). A FlexTP run
 (--tp-balance) saves and loads in the even partition (training.checkpoint_layout; full_state.py,
 "Spare capacity"), so its files are those of an ordinary TP run. RNG states are restored on the
@@ -70,6 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynapipe_ext.costs.model_spec import MODEL_OPTIONS, option_arg
 from megatron.base.collectives import gather_from_ranks, reduce_over_ranks
 from megatron.base.distributed_setup import ParallelLayout
 from megatron.data.flan_indexed import pid_alive
@@ -79,21 +81,28 @@ from megatron.model.full_state import (assemble, load_sharded_state, local_shard
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 FORMAT_VERSION = 3   # 3: layout-free shards by global name; 2: per-rank files (refused)
-# Config fields that must match between the run that saved and the run that loads; the layout
-# (TP, PP, DP, world size) and the precision may differ. SHAPE_FIELDS are in every checkpoint;
+# Config fields that must match between the run that saved and the run that loads: every
+# ModelSpec option (dynapipe_ext/costs/model_spec.py MODEL_OPTIONS, the one declaration of a
+# model's identity), under the name of the flag field it is read from; the layout (TP, PP, DP,
+# world size) and the precision may differ. SHAPE_FIELDS are in every checkpoint;
 # FUNCTION_FIELDS (the layer options, recorded since they existed) and the model's
 # vocabulary (VOCAB_FIELD: tokens with a row of their own, before padding) are compared when the
 # checkpoint records them (those written before they were recorded do not).
-SHAPE_FIELDS = ("model", "num_layers", "decoder_num_layers", "hidden_size",
-                "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
-FUNCTION_FIELDS = ("untie_embeddings_and_output_weights", "normalization", "norm_epsilon",
-                   "add_bias_linear", "gated_linear_unit", "softmax_scale", "kv_channels",
-                   "position_embedding_type", "relative_attention_num_buckets",
-                   "relative_attention_max_distance", "num_query_groups")
+SHAPE_FIELDS = tuple(option_arg(f) for f in MODEL_OPTIONS if f.metadata["shape"])
+FUNCTION_FIELDS = tuple(option_arg(f) for f in MODEL_OPTIONS if not f.metadata["shape"])
 VOCAB_FIELD = "vocab_size"
-FLAG_NAMES = {"model": "the model (pretrain_gpt.py / pretrain_t5.py)",
-              "add_bias_linear": "--disable-bias-linear (add_bias_linear)",
-              "gated_linear_unit": "--gated-gelu (gated_linear_unit)",
+
+
+def option_name(option) -> str:
+    """How a difference names an option: its flag, with the field where the flag says
+    otherwise ("--disable-bias-linear (add_bias_linear)")."""
+    flag, arg = option.metadata["flag"], option_arg(option)
+    if flag.startswith("--") and flag[2:].replace("-", "_") != arg:
+        return f"{flag} ({arg})"
+    return flag
+
+
+FLAG_NAMES = {**{option_arg(f): option_name(f) for f in MODEL_OPTIONS},
               VOCAB_FIELD: "the vocabulary (tokens of the tokenizer, before padding)"}
 ITER_DIR = re.compile(r"iter_(\d{7})$")
 LOCK = "save.lock"

@@ -1,7 +1,8 @@
 """Pipeline stage modules built from megatron-core parts, one per (virtual) stage of a ModelSpec.
 
 A stage holds exactly the layer kinds of `spec.stage_layers(num_stages)[stage]`:
-EMBEDDING (word + learned absolute position embedding), GPT_LAYER / ENC_LAYER / DEC_LAYER
+EMBEDDING (word + learned absolute position embedding, none with rotary positions, which
+RotaryPositions gives every stage with GPT layers), GPT_LAYER / ENC_LAYER / DEC_LAYER
 (megatron-core TransformerLayers from the local specs, grouped in a TransformerBlock),
 ENC_NORM (T5 encoder final norm), DEC_EMBEDDING (T5 decoder embedding) and HEAD (final norm,
 ColumnParallelLinear output layer, vocab-parallel cross-entropy).
@@ -48,6 +49,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.relative_pos_embedding import (
     RelativePositionEmbedding,
 )
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.T5.t5_spec import (
     decoder_model_with_local_spec,
@@ -79,6 +81,7 @@ from dynapipe_ext.costs.model_spec import (
     GPT_LAYER,
     GPT_MLP,
     HEAD,
+    MODEL_OPTIONS,
     ModelSpec,
 )
 
@@ -147,6 +150,7 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     (bias-GELU fwd+bwd 176 vs 76 ms at [512, 4, 1024], one thread), so CPU runs leave them off.
     Unfused runs use gelu_tanh, the same function as the fusion (megatron-core's default
     activation, exact F.gelu, would make CPU and GPU runs differ and would not match GPT-2).
+    --swiglu runs SiLU unfused (megatron-core's gated MLP: silu(gate) * up).
     `fuse_bias_gelu` / `fuse_bias_dropout` (Megatron's --no-bias-gelu-fusion and
     --no-bias-dropout-fusion) switch one of them off where `fused` is on.
     Always off: the fusions that need CUDA extensions or apex (gradient accumulation,
@@ -156,19 +160,14 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     fused = torch.cuda.is_available() if fused is None else fused
-    fuse_activation = fused and fuse_bias_gelu and spec.add_bias_linear  # needs a bias to fuse
+    # megatron-core fuses bias + GeLU; it needs a bias to fuse (SwiGLU runs unfused)
+    fuse_activation = fused and fuse_bias_gelu and spec.add_bias_linear and not spec.swiglu
+    if spec.swiglu:
+        activation = torch.nn.functional.silu
+    else:   # megatron-core fuses F.gelu as its tanh approximation; unfused, say so explicitly
+        activation = torch.nn.functional.gelu if fuse_activation else gelu_tanh
     config = TransformerConfig(
-        normalization=spec.normalization,
-        layernorm_epsilon=spec.layernorm_epsilon,
-        add_bias_linear=spec.add_bias_linear,
-        gated_linear_unit=spec.gated_linear_unit,
-        softmax_scale=spec.softmax_scale,
-        kv_channels=spec.kv_channels or None,
-        num_layers=spec.total_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups or None,
-        ffn_hidden_size=spec.ffn_size,
+        **core_options(spec),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         hidden_dropout=hidden_dropout,
@@ -187,11 +186,19 @@ def build_transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1,
         apply_rope_fusion=False,
         sequence_parallel=False,
         cuda_graph_scope=[],   # no CUDA graphs; silences megatron-core's "full scope" warning
-        # megatron-core fuses F.gelu as its tanh approximation; unfused, say so explicitly
-        activation_func=torch.nn.functional.gelu if fuse_activation else gelu_tanh,
+        activation_func=activation,
     )
     set_recompute(config, recompute)
     return config
+
+
+def core_options(spec: ModelSpec) -> dict:
+    """The TransformerConfig fields the ModelSpec options declare (`core`), each from the
+    ModelSpec attribute it names (`core_from`: e.g. kv_channels from head_dim, so that 0
+    means hidden / heads). The options without one are built by StageModule (positions,
+    tied and padded embeddings) or, for --swiglu, by build_transformer_config (activation)."""
+    return {f.metadata["core"]: getattr(spec, f.metadata["core_from"] or f.name)
+            for f in MODEL_OPTIONS if f.metadata["core"]}
 
 
 def set_recompute(config: TransformerConfig, mode: str) -> None:
@@ -292,7 +299,7 @@ def _keep_half(layer, part: str) -> None:
         layer.input_layernorm, layer.self_attention = IdentityOp(), IdentityOp()
 
 
-def _run_parts(layers, parts, hidden, mask):
+def _run_parts(layers, parts, hidden, mask, rotary=None):
     """The GPT layers of a stage cut inside a layer: whole layers as TransformerBlock runs
     them, halves through megatron-core's own two halves of TransformerLayer.forward (the same
     operations in the same order, so a cut changes no number)."""
@@ -300,10 +307,43 @@ def _run_parts(layers, parts, hidden, mask):
         if part == GPT_MLP:
             hidden = layer._forward_mlp(hidden)
         elif part == GPT_ATTENTION:
-            hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask)
+            hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask,
+                                                 rotary_pos_emb=rotary)
         else:
-            hidden, _ = layer(hidden_states=hidden, attention_mask=mask)
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
     return hidden
+
+
+class RotaryPositions(torch.nn.Module):
+    """Rotary angles of each token from its position inside its own sample (the micro-batch's
+    position_ids, 0 at every sample's first token, in packed streams and rows too), for
+    megatron-core's attention to turn queries and keys with (its apply_rotary_pos_emb, in
+    every layer, before the core attention: so every attention path, padded, per-segment,
+    masked or FlexAttention, sees the same rotated q / k). The frequencies are megatron-core's
+    RotaryEmbedding's (--rotary-base, --rotary-percent), with Llama 3.1's scaling by its
+    `_apply_scaling` at all four of HF's rope_scaling values (its constructor passes the
+    factor only). Angles are gathered per token from the table of positions 0..seq-1, never
+    taken by offset in the stream. Holds no parameters."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rotary_percent,
+                                      rotary_base=spec.rotary_base,
+                                      use_cpu_initialization=True)
+        if spec.use_rope_scaling:
+            self.rotary.inv_freq = self.rotary._apply_scaling(
+                self.rotary.inv_freq, factor=spec.rope_scaling_factor,
+                low_freq_factor=spec.rope_scaling_low_freq_factor,
+                high_freq_factor=spec.rope_scaling_high_freq_factor,
+                original_max_position_embeddings=spec.rope_scaling_original_max_position_embeddings)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[seq, rows, 1, rotary dim] fp32 angles of position_ids [rows, seq]."""
+        if self.rotary.inv_freq.device != position_ids.device:   # a plain attribute
+            self.rotary.inv_freq = self.rotary.inv_freq.to(position_ids.device)
+        freqs = self.rotary.get_freqs_non_repeated(position_ids.shape[1])
+        table = torch.cat((freqs, freqs), dim=-1)          # megatron's rotate-half layout
+        return table[position_ids.t()].unsqueeze(2)
 
 
 def norm(config: TransformerConfig) -> torch.nn.Module:
@@ -334,6 +374,9 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
             continue
         if sub.weight is not None:
             set_tensor_model_parallel_attributes(sub.weight, True, dim, 1)
+        bias = getattr(sub, "bias", None)
+        if getattr(bias, "partition_stride", 1) != 1:   # megatron-core's gated fc1 bias: 2
+            bias.partition_stride = 1                      # (gated_halves says how it splits)
 
 
 class OutputHead(torch.nn.Module):
@@ -402,6 +445,7 @@ class StageModule(torch.nn.Module):
                                                  spec.max_position_embeddings, position)
                           if self.has_embedding else None)
         self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
+        self.rotary = RotaryPositions(spec) if spec.rotary and n_gpt else None
         if self.decoder is not None:
             for layer, part in zip(self.decoder.layers, self.gpt_parts):
                 _keep_half(layer, part)
@@ -486,7 +530,9 @@ class StageModule(torch.nn.Module):
         """The micro-batch keys this stage's forward reads (batch_tensors names)."""
         if self.spec.model == "gpt":
             keys = (("tokens", "position_ids") if self.has_embedding else ()) \
-                + (("segments",) if self.decoder is not None else ())
+                + (("segments",) if self.decoder is not None else ()) \
+                + (("position_ids",) if self.rotary is not None and not self.has_embedding
+                   else ())
         else:
             keys = (("enc_tokens", "enc_position_ids") if self.has_embedding else ()) \
                 + (("enc_segments",) if self.encoder is not None else ()) \
@@ -505,10 +551,11 @@ class StageModule(torch.nn.Module):
                   else inputs[0])
         if self.decoder is not None:
             mask = AttentionMask.of(batch["segments"])
+            rotary = None if self.rotary is None else self.rotary(batch["position_ids"])
             if all(part == GPT_LAYER for part in self.gpt_parts):
-                hidden = self.decoder(hidden, mask)
+                hidden = self.decoder(hidden, mask, rotary_pos_emb=rotary)
             else:
-                hidden = _run_parts(self.decoder.layers, self.gpt_parts, hidden, mask)
+                hidden = _run_parts(self.decoder.layers, self.gpt_parts, hidden, mask, rotary)
         if self.has_head:
             return self.head(hidden, batch.get("labels"))
         return (hidden,)

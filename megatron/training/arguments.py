@@ -14,11 +14,14 @@ import argparse
 import importlib.util
 import os
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Sequence
 
 from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
 from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES, PlannerConfig
-from dynapipe_ext.costs.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from dynapipe_ext.costs.model_spec import (MODEL_OPTIONS, NORMALIZATIONS,
+                                            POSITION_EMBEDDING_TYPES, option_problems,
+                                            option_values)
 from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS, stage_layout
 from dynapipe_ext.schedule.registry import SCHEDULES, layout_of
@@ -146,6 +149,15 @@ class TrainConfig:
     kv_channels: int  # --kv-channels; 0: hidden / heads
     group_query_attention: bool  # --group-query-attention
     num_query_groups: int  # --num-query-groups; without GQA: num_attention_heads
+    add_qkv_bias: bool  # --add-qkv-bias (Qwen2: biases on q, k, v only)
+    swiglu: bool  # --swiglu: gated SiLU MLP (Llama, Qwen, Mistral)
+    rotary_base: float  # --rotary-base (HF rope_theta)
+    rotary_percent: float  # --rotary-percent
+    use_rope_scaling: bool  # --use-rope-scaling: Llama 3.1 frequency scaling
+    rope_scaling_factor: float
+    rope_scaling_low_freq_factor: float
+    rope_scaling_high_freq_factor: float
+    rope_scaling_original_max_position_embeddings: int
     vocab_extra_ids: int | None  # T5SentencePieceTokenizer sentinels (None: 100)
     make_vocab_size_divisible_by: int  # padded vocabulary: this x TP
     pipeline_split: str  # --pipeline-split: even, balanced, or units
@@ -210,8 +222,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if not ok:
             problems.append(message)
 
-    need(cfg.model in MODELS, f"model must be 'gpt' or 't5', got {cfg.model!r}")
     problems += choice_problems(cfg)
+    problems += option_problems(SimpleNamespace(**option_values(cfg)))
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "tokens_per_global_batch", "train_iters", "log_interval",
@@ -219,9 +231,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         need(getattr(cfg, name) > 0, f"--{flag(name)} must be > 0, got {getattr(cfg, name)}")
     need(cfg.micro_batch_size is None or cfg.micro_batch_size > 0,
          f"--micro-batch-size must be > 0, got {cfg.micro_batch_size}")
-    need(cfg.kv_channels > 0 or cfg.hidden_size % max(cfg.num_attention_heads, 1) == 0,
-         f"--hidden-size {cfg.hidden_size} is not divisible by --num-attention-heads "
-         f"{cfg.num_attention_heads}")
     need(cfg.num_attention_heads % max(cfg.tensor_model_parallel_size, 1) == 0,
          f"--num-attention-heads {cfg.num_attention_heads} is not divisible by "
          f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size}")
@@ -237,10 +246,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"(GPT: --pipeline-split balanced cuts stages in half layers)")
     problems += pipeline_split_problems(cfg)
     problems += virtual_stage_problems(cfg)
-    need(cfg.position_embedding_type == "learned_absolute" or cfg.model == "t5",
-         f"--position-embedding-type {cfg.position_embedding_type} is a T5 option")
     if cfg.model == "t5":
-        need(cfg.decoder_num_layers > 0, "a T5 model needs --decoder-num-layers > 0")
         need(cfg.decoder_seq_length > 0, "a T5 model needs --decoder-seq-length > 0")
     longest = max(cfg.seq_length, cfg.decoder_seq_length)
     need(cfg.max_position_embeddings >= longest,
@@ -364,7 +370,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
 def query_group_problems(cfg: TrainConfig) -> list[str]:
     """What --group-query-attention / --num-query-groups cannot do (empty when fine):
-    Megatron's rules (heads divisible by groups, groups by TP) and GPT only."""
+    Megatron's rules (groups divisible by TP; heads by groups: option_problems) and GPT
+    only."""
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups
     tp = cfg.tensor_model_parallel_size
     if not cfg.group_query_attention:
@@ -377,9 +384,6 @@ def query_group_problems(cfg: TrainConfig) -> list[str]:
     if cfg.model != "gpt":
         problems.append("--group-query-attention is GPT only: megatron-core's T5 "
                         "cross-attention does not support grouped-query attention")
-    if heads % groups:
-        problems.append(f"--num-attention-heads {heads} is not divisible by "
-                        f"--num-query-groups {groups}")
     if tp > 0 and groups % tp:
         problems.append(f"--num-query-groups {groups} is not divisible by "
                         f"--tensor-model-parallel-size {tp}")
@@ -579,7 +583,9 @@ GROUP_TITLES = {
     FLEXTP: "FlexTP straggler handling (docs/BENCHMARKS.md, FlexTP)",
     PLANNING: "batches and planning", OPTIMIZER: "optimisation", DATA: "data",
     CHECKPOINT: "checkpoints and logging"}
-T5 = ("t5",)
+T5, GPT = ("t5",), ("gpt",)
+# ModelSpec's option defaults: the model flags' defaults are the model's own
+OPTION = {f.name: f.default for f in MODEL_OPTIONS}
 
 
 def declare(group: str, *names: str, models=MODELS, exclusive: str | None = None,
@@ -617,18 +623,25 @@ FLAGS: tuple[Flag, ...] = (
             help="give the output layer its own weights; by default it shares the "
                  "input word embedding, as in Megatron (T5's decoder embedding always "
                  "does; T5 v1.1 / FLAN-T5 are untied)"),
-    declare(MODEL, "--normalization", choices=NORMALIZATIONS, default="LayerNorm",
+    declare(MODEL, "--normalization", choices=NORMALIZATIONS, default=OPTION["normalization"],
             validated_by="ModelSpec",
-            help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5: RMSNorm)"),
-    declare(MODEL, "--norm-epsilon", type=float, default=1e-5,
-            help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6)"),
+            help="norm of every layer and the final norms (T5 v1.1 / FLAN-T5, Llama, Qwen, "
+                 "Mistral: RMSNorm)"),
+    declare(MODEL, "--norm-epsilon", type=float, default=OPTION["layernorm_epsilon"],
+            help="epsilon of the norms (T5 v1.1 / FLAN-T5: 1e-6; HF rms_norm_eps)"),
     declare(MODEL, "--disable-bias-linear", field="add_bias_linear", negate=True,
             action="store_true",
-            help="no biases in the attention and MLP linears (T5 v1.1 / FLAN-T5)"),
+            help="no biases in the attention and MLP linears (T5 v1.1 / FLAN-T5, Llama, "
+                 "Qwen, Mistral)"),
+    declare(MODEL, "--add-qkv-bias", action="store_true",
+            help="biases on the query, key and value projections, also with "
+                 "--disable-bias-linear (Qwen2)"),
     declare(MODEL, "--gated-gelu", field="gated_linear_unit", action="store_true",
             help="gated GeLU MLP, gelu(x W0) * (x W1) (T5 v1.1's gated-gelu; the MLP "
                  "then has 3 matrices)"),
-    declare(MODEL, "--softmax-scale", type=float, default=None,
+    declare(MODEL, "--swiglu", action="store_true",
+            help="SwiGLU MLP, silu(x W0) * (x W1) (Llama, Qwen, Mistral; 3 matrices)"),
+    declare(MODEL, "--softmax-scale", type=float, default=OPTION["softmax_scale"],
             help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0"),
     declare(MODEL, "--kv-channels", field=None, type=int, default=None,
             help="per-head size; default hidden size / heads (FLAN-T5-small: 64)"),
@@ -639,13 +652,38 @@ FLAGS: tuple[Flag, ...] = (
             help="query groups with --group-query-attention, default 1; must divide "
                  "--num-attention-heads and be divisible by --tensor-model-parallel-size"),
     declare(MODEL, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
-            validated_by="ModelSpec",
-            default="learned_absolute",
-            models=T5, help="relative: T5's bucketed per-head position bias"),
-    declare(MODEL, "--relative-attention-num-buckets", type=int, default=32,
-            models=T5, help="relative position buckets"),
-    declare(MODEL, "--relative-attention-max-distance", type=int, default=128,
-            models=T5, help="distance at which relative position buckets stop"),
+            validated_by="ModelSpec", default=OPTION["position_embedding_type"],
+            help={"gpt": "learned_absolute: a learned table of positions (GPT-2); rope: "
+                         "rotary positions in every attention layer (Llama, Qwen, Mistral), "
+                         "counted from each sample's start in packed rows",
+                  "t5": "relative: T5's bucketed per-head position bias"}),
+    declare(MODEL, "--rotary-base", type=float, default=OPTION["rotary_base"], models=GPT,
+            help="base of the rotary frequencies (HF rope_theta; Llama 3: 500000)"),
+    declare(MODEL, "--rotary-percent", type=float, default=OPTION["rotary_percent"],
+            models=GPT,
+            help="share of each head's channels that rotary positions turn (HF "
+                 "partial_rotary_factor)"),
+    declare(MODEL, "--use-rope-scaling", action="store_true", models=GPT,
+            help="Llama 3.1's rotary frequency scaling (HF rope_scaling with rope_type "
+                 "llama3), set by the four flags below"),
+    declare(MODEL, "--rope-scaling-factor", type=float, default=OPTION["rope_scaling_factor"],
+            models=GPT, help="HF rope_scaling factor: long wavelengths are divided by it"),
+    declare(MODEL, "--rope-scaling-low-freq-factor", type=float,
+            default=OPTION["rope_scaling_low_freq_factor"], models=GPT,
+            help="HF rope_scaling low_freq_factor"),
+    declare(MODEL, "--rope-scaling-high-freq-factor", type=float,
+            default=OPTION["rope_scaling_high_freq_factor"], models=GPT,
+            help="HF rope_scaling high_freq_factor"),
+    declare(MODEL, "--rope-scaling-original-max-position-embeddings", type=int,
+            default=OPTION["rope_scaling_original_max_position_embeddings"], models=GPT,
+            help="HF rope_scaling original_max_position_embeddings: the context length "
+                 "the frequencies were trained for"),
+    declare(MODEL, "--relative-attention-num-buckets", type=int,
+            default=OPTION["relative_attention_num_buckets"], models=T5,
+            help="relative position buckets"),
+    declare(MODEL, "--relative-attention-max-distance", type=int,
+            default=OPTION["relative_attention_max_distance"], models=T5,
+            help="distance at which relative position buckets stop"),
     # parallelism
     declare(PARALLEL, "--tensor-model-parallel-size", type=int, default=1),
     declare(PARALLEL, "--pipeline-model-parallel-size", type=int, default=1),

@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 
 from dynapipe_ext.plan.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.runtime.executor import Executor
-from dynapipe_ext.costs.model_spec import ModelSpec
+from dynapipe_ext.costs.model_spec import ModelSpec, option_values
 from dynapipe_ext.plan.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
                                             pipeline_layout)
 from dynapipe_ext.batching.planners import PlannerConfig
@@ -274,24 +274,12 @@ def sampler_settings(cfg: TrainConfig) -> dict:
 
 def model_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
     """The model of `cfg` with `vocab_size` token rows (padded as --make-vocab-size-divisible-by
-    and TP say; the padding is left out of the softmax)."""
-    return ModelSpec(model=cfg.model, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                     num_attention_heads=cfg.num_attention_heads,
+    and TP say; the padding is left out of the softmax): every ModelSpec option read from the
+    flag that declares it (model_spec.option_values)."""
+    return ModelSpec(**option_values(cfg),
                      vocab_size=padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size,
                                                   cfg.make_vocab_size_divisible_by),
-                     unpadded_vocab_size=vocab_size,
-                     num_decoder_layers=cfg.decoder_num_layers,
-                     ffn_hidden_size=cfg.ffn_hidden_size,
-                     max_position_embeddings=cfg.max_position_embeddings,
-                     tied_embeddings=not cfg.untie_embeddings_and_output_weights,
-                     normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
-                     add_bias_linear=cfg.add_bias_linear,
-                     gated_linear_unit=cfg.gated_linear_unit, softmax_scale=cfg.softmax_scale,
-                     position_embedding_type=cfg.position_embedding_type,
-                     relative_attention_num_buckets=cfg.relative_attention_num_buckets,
-                     relative_attention_max_distance=cfg.relative_attention_max_distance,
-                     kv_channels=cfg.kv_channels,
-                     num_query_groups=cfg.num_query_groups if cfg.group_query_attention else 0)
+                     unpadded_vocab_size=vocab_size)
 
 
 def given_cut(cfg: TrainConfig, spec: ModelSpec) -> tuple[int, ...]:
