@@ -97,6 +97,21 @@ def test_gpt_truncation_report_counts_per_task(ds):
     assert rep["dropped"]["tokens"] == 1 + 1 + 29
 
 
+def test_loss_tokens_from_the_lengths_are_the_loss_masks_sums(tmp_path):
+    """The planner's loss-token counts (from the lengths alone) are what the samples' loss
+    masks add up to, truncated or not, zero-shot included."""
+    ds = MultiTaskDataset(write_dataset(tmp_path / "lt", SAMPLES + [([], [4, 5, 6], 1),
+                                                                   ([], [8], 2)]))
+    for seq_length in (1, 2, 4, 8, 21, 64):
+        counts = ds.gpt_loss_tokens(seq_length)
+        assert counts.tolist() == [int(ds.gpt_sample(i, seq_length).loss_mask.sum())
+                                   for i in range(len(ds))]
+    for dec in (1, 3, 8, 32):
+        counts = ds.t5_loss_tokens(dec)
+        assert counts.tolist() == [int(ds.t5_sample(i, 8, dec).loss_mask.sum())
+                                   for i in range(len(ds))]
+
+
 def test_t5_view(ds):
     s = ds.t5_sample(0, encoder_seq_length=8, decoder_seq_length=8)
     assert s.encoder_ids.tolist() == [1, 2, 3]

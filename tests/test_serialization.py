@@ -47,8 +47,9 @@ def test_odd_values_round_trip():
     plan = ExecutionPlan(iteration=2**40, dp_rank=0, pp_rank=1, stage_to_rank=plan.stage_to_rank,
                          schedule="adaptive[cost-asc,+2,BFA] ✓", micro_batches=plan.micro_batches,
                          instructions=plan.instructions + (Forward(mb=-1, stage=-7),),
-                         dtype="float32")
+                         dtype="float32", loss_tokens=2**33 + 5)
     assert plan_from_bytes(plan_to_bytes(plan)) == plan
+    assert plan_from_bytes(plan_to_bytes(plan)).loss_tokens == 2**33 + 5
 
 
 def test_encoding_is_compact():
@@ -116,11 +117,11 @@ def test_payload_garbage_behind_a_valid_checksum_is_rejected():
     with pytest.raises(PlanFormatError):
         plan_from_bytes(rebuilt(shorter))
     with pytest.raises(PlanFormatError, match="stages count 1000000000 is impossible"):
-        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 10**9])))
+        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 0, 10**9])))
     with pytest.raises(PlanFormatError, match="string index 5 outside the table of 1"):
-        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 1, 0, 5, 0], strings=["1f1b"])))
+        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 0, 1, 0, 5, 0], strings=["1f1b"])))
     with pytest.raises(PlanFormatError, match="unknown instruction opcode 99"):
-        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 0, 0, 0, 0, 1, 99], strings=["x"])))
+        plan_from_bytes(rebuilt(payload_of([0, 0, 0, 0, 0, 0, 0, 0, 1, 99], strings=["x"])))
     with pytest.raises(PlanFormatError, match="not UTF-8"):
         plan_from_bytes(rebuilt(struct.pack("<IIII", 1, 0, 0, 1) + b"\xff"))
 

@@ -351,6 +351,49 @@ def test_gpt_packing_window_trains_on_whole_rows_and_resumes_exactly(sp_dataset,
     assert [s["real_tokens"] for s in resumed] == [s["real_tokens"] for s in straight[2:]]
 
 
+def _samples_built(rank, world_size, argv, iterations):
+    """Train `iterations` in-process; what this rank built and what it was planned to train."""
+    from megatron.model.batch_tensors import count_loss_tokens
+    from megatron.training.training import build_run, train
+    run = build_run(parse_args("gpt", argv, has_cuda=False), verbose=False)
+    ids = [run.data.sample_ids(it) for it in range(iterations)]
+    before = [count_loss_tokens(run.data.batch_samples(it), range(len(ids[it])))
+              for it in range(iterations)]    # the denominator as every rank counted it
+    built, planned, fetch, arrays = [], [], run.plans.fetch, run.data.sample_arrays
+    run.data.sample_arrays = lambda index: built.append(index) or arrays(index)
+
+    def fetch_and_keep(iteration):
+        delivered = fetch(iteration)
+        planned.append(delivered.plan)
+        return delivered
+    run.plans.fetch = fetch_and_keep
+    history = train(run)
+    return {"built": sorted(built), "before": before, "losses": [h.loss for h in history],
+            "batch": [sorted(int(i) for i in x) for x in ids],
+            "replica": [sorted(int(ids[p.iteration][s]) for mb in p.micro_batches
+                               for s in mb.sample_ids) for p in planned],
+            "loss_tokens": [p.loss_tokens for p in planned], "dp_rank": planned[0].dp_rank}
+
+
+@pytest.mark.slow
+def test_at_dp2_each_rank_builds_only_its_replicas_samples(sp_dataset):
+    """At DP=2 a rank builds the samples its replica trains on and no other, and the global
+    loss-token count its plan carries is the one counted over every sample of the batch."""
+    from tests.multiproc import run_in_processes
+    argv = sp_dataset + TINY_MODEL + ["--micro-batching", "dynamic", "--seq-length", "128",
+                                      "--train-iters", "2", "--num-planner-workers", "0"]
+    ranks = run_in_processes(_samples_built, 2, args=(argv, 2), timeout_s=600)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        assert r["built"] == sorted(i for ids in r["replica"] for i in ids)
+        assert r["loss_tokens"] == r["before"]
+        assert 0 < len(r["built"]) < sum(len(ids) for ids in r["batch"])
+    for it in range(2):   # the replicas share the batch out, each sample once
+        assert sorted(ranks[0]["replica"][it] + ranks[1]["replica"][it]) == \
+            ranks[0]["batch"][it]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
 @pytest.mark.slow
 def test_t5_trains_with_a_pair_packer(sp_dataset, tmp_path):
     args = sp_dataset + TINY_MODEL + ["--pipeline-model-parallel-size", "2", "--num-layers",
@@ -500,7 +543,7 @@ def test_world_size_not_divisible_by_tp_times_pp_fails_before_any_collective(mon
 def make_plan(**overrides):
     fields = dict(iteration=4, dp_rank=0, pp_rank=1, stage_to_rank=(0, 1), schedule="1f1b",
                   micro_batches=(MicroBatch(rows=((0,), (1,)), seq_len=16),), instructions=(),
-                  dtype="float32")
+                  dtype="float32", loss_tokens=7)
     fields.update(overrides)
     return ExecutionPlan(**fields)
 
@@ -516,6 +559,8 @@ def test_plan_for_another_rank_or_layout_is_described():
     assert "iteration 5, expected 4" in text
     assert "(dp 0, pp 0), this rank is (dp 0, pp 1)" in text
     assert "(0, 1, 1, 0)" in text and "samples [7] outside the global batch of 2" in text
+    assert "plan carries 0 loss tokens" in " ".join(
+        plan_problems(make_plan(loss_tokens=0), 4, layout, (0, 1), "float32", 2))
 
 
 def _agree(rank, world_size):

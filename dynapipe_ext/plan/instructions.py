@@ -96,3 +96,7 @@ class ExecutionPlan:
     micro_batches: tuple  # tuple[MicroBatch, ...] of this replica, indexed by Instruction.mb
     instructions: tuple[Instruction, ...]
     dtype: str = "float32"
+    # loss tokens of the whole global batch, all replicas: the denominator of the
+    # token-weighted loss, which the planner sees whole and each rank would otherwise count
+    # over samples it does not train on (0: the planner was not told)
+    loss_tokens: int = 0

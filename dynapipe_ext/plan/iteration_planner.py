@@ -364,10 +364,11 @@ def split_per_replica(lengths, config: IterationPlannerConfig, cost_model: CostM
 
 
 def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
-                   replicas=None) -> IterationPlan:
+                   replicas=None, loss_tokens: int = 0) -> IterationPlan:
     """Plan one global batch (`lengths`: GPT (n,), T5 (n, 2)) into the plan bytes of every rank
     of the data-parallel `replicas` (None: all). A replica's bytes are the same whichever
-    replicas one call plans; with replica_split "samples" only those replicas are planned."""
+    replicas one call plans; with replica_split "samples" only those replicas are planned.
+    `loss_tokens` (the batch's, all replicas) travels in every plan (ExecutionPlan.loss_tokens)."""
     from dynapipe_ext.plan.plan_checker import check_plans
     from dynapipe_ext.plan.serialization import plan_to_bytes
 
@@ -394,7 +395,8 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
         if config.check_plans:
             check_plans(plans, config.spec, config.forward_only)
         for plan in plans:
-            plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(plan)
+            plan_bytes[(dp_rank, plan.pp_rank)] = plan_to_bytes(
+                replace(plan, loss_tokens=int(loss_tokens)))
     total_s = time.perf_counter() - start
     timings.update(lower_check=(time.perf_counter() - split_done) * 1e3, total=total_s * 1e3,
                    cpu=(time.process_time() - cpu_start) * 1e3)
@@ -403,7 +405,24 @@ def plan_iteration(iteration: int, lengths, config: IterationPlannerConfig,
                          tuple(float(c.result.makespan_ms) for c in picked), timings, wanted)
 
 
+@dataclass(frozen=True)
+class GlobalBatch:
+    """What the planner reads of one global batch: its lengths (GPT (n,), T5 (n, 2)) and the
+    loss tokens of all its samples, which the plans carry to every rank."""
+
+    lengths: Any
+    loss_tokens: int
+
+
+def plan_batch(iteration: int, batch, config: IterationPlannerConfig,
+               replicas=None) -> IterationPlan:
+    """plan_iteration of a GlobalBatch, or of bare lengths (no loss-token count)."""
+    if isinstance(batch, GlobalBatch):
+        return plan_iteration(iteration, batch.lengths, config, replicas, batch.loss_tokens)
+    return plan_iteration(iteration, batch, config, replicas)
+
+
 def iteration_plan_fn(config: IterationPlannerConfig, replicas=None):
-    """`plan_fn(iteration, lengths)` for PlanAhead (picklable), planning `replicas` (None:
-    all)."""
-    return functools.partial(plan_iteration, config=config, replicas=replicas)
+    """`plan_fn(iteration, batch)` for PlanAhead (picklable; `batch` a GlobalBatch or
+    lengths), planning `replicas` (None: all)."""
+    return functools.partial(plan_batch, config=config, replicas=replicas)

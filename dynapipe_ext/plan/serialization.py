@@ -22,7 +22,7 @@ from dynapipe_ext.plan.instructions import (Backward, ExecutionPlan, Forward, Fr
 from dynapipe_ext.batching.microbatch import MicroBatch
 
 MAGIC = b"DPXPLAN\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_PAYLOAD_BYTES = 1 << 30
 _HEADER = struct.Struct("<8sHHIII")
 _COUNTS = struct.Struct("<III")
@@ -66,7 +66,7 @@ class _Writer:
 
 def _put_plan(w: _Writer, plan: ExecutionPlan) -> None:
     put, text = w.ints.extend, w.text
-    put((plan.iteration, plan.dp_rank, plan.pp_rank, len(plan.stage_to_rank)))
+    put((plan.iteration, plan.dp_rank, plan.pp_rank, plan.loss_tokens, len(plan.stage_to_rank)))
     put(plan.stage_to_rank)
     put((text(plan.schedule), text(plan.dtype), len(plan.micro_batches)))
     for mb in plan.micro_batches:
@@ -190,7 +190,7 @@ def _get_plan(strings: list[str], floats: list[float], ints: list[int]) -> Execu
             raise PlanFormatError(f"string index {i} outside the table of {len(strings)}")
         return strings[i]
 
-    iteration, dp_rank, pp_rank = nxt(), nxt(), nxt()
+    iteration, dp_rank, pp_rank, loss_tokens = nxt(), nxt(), nxt(), nxt()
     stage_to_rank = tuple(nxt() for _ in range(count("stages")))
     schedule, dtype = text(), text()
     mbs = []
@@ -229,7 +229,7 @@ def _get_plan(strings: list[str], floats: list[float], ints: list[int]) -> Execu
         return ExecutionPlan(iteration=iteration, dp_rank=dp_rank, pp_rank=pp_rank,
                              stage_to_rank=stage_to_rank, schedule=schedule,
                              micro_batches=tuple(mbs), instructions=tuple(instructions),
-                             dtype=dtype)
+                             dtype=dtype, loss_tokens=loss_tokens)
     raise PlanFormatError("unexpected integers after the plan")
 
 

@@ -199,6 +199,20 @@ class MultiTaskDataset:
         """Model positions of every sample in the GPT view: min(input + target, seq_length)."""
         return np.minimum(self.input_lengths + self.target_lengths, seq_length)
 
+    def gpt_loss_tokens(self, seq_length: int) -> np.ndarray:
+        """Loss tokens of every sample in the GPT view (its loss_mask's sum, gpt_sample), from
+        the lengths alone: the positions minus the kept inputs but their last."""
+        inp, tgt = self.input_lengths, self.target_lengths
+        budget = seq_length + 1
+        keep_target = np.minimum(tgt + 1, budget - np.minimum(inp, budget // 2))
+        keep_in = np.where(inp + tgt + 1 <= budget, inp, budget - keep_target)
+        positions = np.minimum(keep_in + tgt + 1, budget) - 1
+        return np.maximum(positions - np.maximum(keep_in - 1, 0), 0)
+
+    def t5_loss_tokens(self, decoder_seq_length: int) -> np.ndarray:
+        """Loss tokens of every sample in the T5 view: its labels, all trained on."""
+        return np.minimum(self._label_lengths(), decoder_seq_length)
+
     def gpt_sample(self, i: int, seq_length: int, loss_on_all_tokens: bool = False) -> GPTSample:
         """Row of input ++ target ++ [eod], cut to seq_length positions (see gpt_input_keep)."""
         inp, tgt = self.input_ids(i), self.target_ids(i)

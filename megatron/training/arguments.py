@@ -765,7 +765,9 @@ FLAGS: tuple[Flag, ...] = (
     declare(PLANNING, "--plan-prefetch", type=int, default=2,
             help="how many iterations ahead plans are made"),
     declare(PLANNING, "--check-plans", action="store_true",
-            help="run the plan checker on every plan before executing it"),
+            help="run the plan checker on every plan before executing it, and have the "
+                 "ranks agree each iteration that their plans fit them (one collective; "
+                 "without it a rank whose plan does not fit stops alone)"),
     declare(PLANNING, "--cost-model", field=None, default=None,
             help="'analytic'; 'profile': profile this run's model, device, precision "
                  "and TP on first use (a minute or two) and reuse it from the cache "

@@ -362,10 +362,24 @@ def all_reduce_data_parallel_grads(grad_buffer) -> dict:
 def global_mean_loss(runtime: PipelineRuntime) -> tuple[float, int]:
     """(token-weighted mean loss of the global batch, its loss tokens), the same on every rank:
     sums over the data-parallel group and the pipeline group (only HEAD ranks hold losses)."""
-    stats = torch.stack([runtime.loss_sum, runtime.loss_tokens])
+    loss, tokens, _ = global_step_totals(runtime, ())
+    return loss, tokens
+
+
+def global_step_totals(runtime: PipelineRuntime, replica_counts: Sequence[int]
+                       ) -> tuple[float, int, tuple[int, ...]]:
+    """global_mean_loss, and `replica_counts` (e.g. this replica's token slots and
+    micro-batches) summed over the data-parallel replicas, in the same two reductions (the
+    first pipeline rank adds each replica's counts once)."""
+    counts = [float(c) for c in replica_counts]
+    if parallel_state.get_pipeline_model_parallel_rank() != 0:
+        counts = [0.0] * len(counts)
+    stats = torch.cat([torch.stack([runtime.loss_sum, runtime.loss_tokens]),
+                       torch.tensor(counts, dtype=torch.float64, device=runtime.device)])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
-    tokens = int(round(stats[1].item()))
-    return stats[0].item() / max(tokens, 1), tokens
+    values = stats.tolist()
+    tokens = int(round(values[1]))
+    return values[0] / max(tokens, 1), tokens, tuple(int(round(v)) for v in values[2:])

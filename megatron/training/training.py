@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 from dynapipe_ext.plan.cluster import default_replica_split, ranks_per_node_from_env
 from dynapipe_ext.runtime.executor import Executor
 from dynapipe_ext.costs.model_spec import ModelSpec, option_values
-from dynapipe_ext.plan.iteration_planner import (IterationPlannerConfig, choose_auto_layout,
-                                            pipeline_layout)
+from dynapipe_ext.plan.iteration_planner import (GlobalBatch, IterationPlannerConfig,
+                                            choose_auto_layout, pipeline_layout)
 from dynapipe_ext.batching.planners import PlannerConfig
 from dynapipe_ext.schedule.simulator import CommModel
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
@@ -35,7 +35,7 @@ from megatron.data.split import PARTS, parse_split, split_indices
 from megatron.data.flan_indexed import manifest_digest
 from megatron.data.tokenizers import (TokenizerError, build_tokenizer, tokenizer_label,
                                       tokenizer_mismatch)
-from megatron.model.batch_tensors import build_micro_batch, count_loss_tokens
+from megatron.model.batch_tensors import build_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
 from megatron.model.stages import (build_rank_stages, build_transformer_config, stage_parameters,
                                    replica_groups)
@@ -50,7 +50,7 @@ from megatron.base.distributed_setup import (ParallelLayout, pipeline_p2p_groups
 from megatron.training.evaluation import Evaluator, held_out_summary
 from megatron.training.exit_signals import ExitSignals
 from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_grads,
-                                        global_mean_loss, make_handlers,
+                                        global_step_totals, make_handlers,
                                         micro_batch_order)
 from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
@@ -82,6 +82,7 @@ class TrainingData:
     seq_length: int
     decoder_seq_length: int
     vocab_size: int              # tokenizer vocabulary (before padding)
+    loss_tokens: np.ndarray      # (n,) loss tokens of each sample in the model's view
     indices: np.ndarray | None = None   # the samples the sampler draws from (--split); all
     held_out: dict | None = None        # --split: samples per part ("train", "valid", "test")
     identity: dict | None = None        # data_identity: what a checkpoint binds the run to
@@ -99,17 +100,27 @@ class TrainingData:
         """Lengths of global batch `iteration`'s samples, in batch order (the planner's input)."""
         return self.lengths[self.sample_ids(iteration)]
 
-    def batch_samples(self, iteration: int) -> dict[int, tuple]:
-        """Batch position -> the arrays build_micro_batch reads (GPT: tokens, labels,
-        loss_mask; T5: encoder ids, decoder ids, labels, loss_mask)."""
+    def planner_input(self, iteration: int) -> GlobalBatch:
+        """What the planner reads of global batch `iteration`: its lengths and its loss
+        tokens (which the plans carry to every rank), from the lengths alone."""
         ids = self.sample_ids(iteration)
+        return GlobalBatch(self.lengths[ids], int(self.loss_tokens[ids].sum()))
+
+    def sample_arrays(self, index: int) -> tuple:
+        """The arrays build_micro_batch reads of dataset sample `index` (GPT: tokens, labels,
+        loss_mask; T5: encoder ids, decoder ids, labels, loss_mask)."""
         if self.model == "gpt":
-            views = (self.dataset.gpt_sample(int(i), self.seq_length) for i in ids)
-            return {k: (s.tokens, s.labels, s.loss_mask) for k, s in enumerate(views)}
-        views = (self.dataset.t5_sample(int(i), self.seq_length, self.decoder_seq_length)
-                 for i in ids)
-        return {k: (s.encoder_ids, s.decoder_ids, s.labels, s.loss_mask)
-                for k, s in enumerate(views)}
+            s = self.dataset.gpt_sample(index, self.seq_length)
+            return s.tokens, s.labels, s.loss_mask
+        s = self.dataset.t5_sample(index, self.seq_length, self.decoder_seq_length)
+        return s.encoder_ids, s.decoder_ids, s.labels, s.loss_mask
+
+    def batch_samples(self, iteration: int, positions=None) -> dict[int, tuple]:
+        """Batch position -> sample_arrays, for the batch positions `positions` (None: the
+        whole batch)."""
+        ids = self.sample_ids(iteration)
+        wanted = range(len(ids)) if positions is None else sorted(set(positions))
+        return {k: self.sample_arrays(int(ids[k])) for k in wanted}
 
     def truncation_report(self) -> dict:
         if self.model == "gpt":
@@ -162,8 +173,10 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
                                                cfg.make_vocab_size_divisible_by))
     if cfg.is_t5:
         lengths = dataset.t5_lengths(cfg.seq_length, cfg.decoder_seq_length)
+        loss_tokens = dataset.t5_loss_tokens(cfg.decoder_seq_length)
     else:
         lengths = dataset.gpt_lengths(cfg.seq_length)
+        loss_tokens = dataset.gpt_loss_tokens(cfg.seq_length)
     indices = held_out = None
     if cfg.split and not own_path:
         groups = getattr(dataset, "stream_ids", dataset.task_ids)
@@ -178,8 +191,8 @@ def open_training_data(cfg: TrainConfig, rank: int = 0, part: str = "train") -> 
     except ValueError as exc:   # e.g. a sample longer than the batch budget
         raise RunSetupError(f"{where}: {exc}") from exc
     return TrainingData(cfg.model, dataset, sampler, lengths, cfg.seq_length,
-                        cfg.decoder_seq_length, tokenizer.vocab_size, indices, held_out,
-                        data_identity(dataset, [prefix for _, prefix in blend]))
+                        cfg.decoder_seq_length, tokenizer.vocab_size, loss_tokens, indices,
+                        held_out, data_identity(dataset, [prefix for _, prefix in blend]))
 
 
 def data_identity(dataset: MultiTaskDataset, prefixes: list[str]) -> dict:
@@ -417,6 +430,9 @@ def plan_problems(plan, iteration: int, layout: ParallelLayout, stage_to_rank, d
                  if not 0 <= s < batch_size)
     if bad:
         problems.append(f"plan names samples {bad[:5]} outside the global batch of {batch_size}")
+    if plan.loss_tokens <= 0:
+        problems.append(f"plan carries {plan.loss_tokens} loss tokens for the global batch (a "
+                        f"plan made from the lengths alone, or a batch with nothing to learn)")
     return problems
 
 
@@ -582,7 +598,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
                       f"only from the train part", flush=True)
     plans = None   # a finished run starts neither planners nor plan delivery
     if not finished:
-        plans = start_plan_delivery(plan_cfg, data.batch_lengths, layout.rank,
+        plans = start_plan_delivery(plan_cfg, data.planner_input, layout.rank,
                                     layout.world_size, layout.dp_rank, layout.pp_rank, start,
                                     cfg.train_iters, num_workers=cfg.num_planner_workers,
                                     prefetch=cfg.plan_prefetch,
@@ -710,19 +726,23 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     delivered = run.plans.fetch(iteration)
     clock.lap("plan_wait")
     plan = delivered.plan
-    samples = run.data.batch_samples(iteration)
     problems = plan_problems(plan, iteration, layout, run.stage_to_rank, model_dtype(cfg),
-                             len(samples))
+                             len(run.data.sample_ids(iteration)))
     clock.lap("host")
-    agree_or_raise(problems, f"iteration {iteration}: the plan does not match this rank")
+    what = f"iteration {iteration}: the plan does not match this rank"
+    if cfg.check_plans:      # every rank learns of any rank's problem (one collective)
+        agree_or_raise(problems, what)
+    elif problems:           # the peers stop at their next collective's timeout
+        raise RunSetupError(f"{what}: " + "; ".join(problems))
     clock.lap("sync_wait")
-    global_loss_tokens = count_loss_tokens(samples, list(samples))
     micro_batches = plan.micro_batches
     keys = run.handlers.runtime.batch_keys      # only what this rank's stages read
+    samples = run.data.batch_samples(   # this replica's samples only
+        iteration, [s for mb in micro_batches for s in mb.sample_ids])
     run.handlers.runtime.reset(
         lambda mb: build_micro_batch(micro_batches[mb], samples, cfg.model, run.data.pad_id,
                                      keys),
-        global_loss_tokens, micro_batch_order(plan))
+        plan.loss_tokens, micro_batch_order(plan))
     run.optimizer.grad_buffer.expect_backwards(backwards_per_stage(plan.instructions))
     if run.flextp is not None:
         run.flextp.begin()
@@ -732,13 +752,13 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
     run.handlers.runtime.check_drained()
     clock.lap("host")
     all_reduce_data_parallel_grads(run.optimizer.grad_buffer)
-    loss, _ = global_mean_loss(run.handlers.runtime)
+    loss, _, (slots, count) = global_step_totals(
+        run.handlers.runtime, (token_slots(micro_batches), len(micro_batches)))
     clock.lap("sync_wait")
     step = run.optimizer.step(iteration)
     clock.lap("optimizer")
     if run.flextp is not None:     # measure, detect, rebalance at the iteration boundary
         run.flextp.end(iteration)
-    slots, count = replica_totals(micro_batches, layout)
     real_tokens = int(run.data.batch_lengths(iteration).sum())
     shapes = ("replica 0: " if layout.dp > 1 else "") + shapes_summary(micro_batches)
     clock.lap("host")
@@ -749,15 +769,6 @@ def train_step(run: TrainingRun, iteration: int) -> IterationStats:
         plan_wait_s=delivered.wait_s, iteration_s=clock.elapsed,
         peak_memory_bytes=peak_memory_bytes(layout.device), time_parts=clock.parts,
         executor_cpu_s=clock.executor_cpu_s)
-
-
-def replica_totals(micro_batches, layout: ParallelLayout) -> tuple[int, int]:
-    """Token slots and micro-batch count over all data-parallel replicas."""
-    totals = torch.tensor([token_slots(micro_batches), len(micro_batches)], dtype=torch.float64,
-                          device=layout.device)
-    if layout.dp > 1:
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    return int(totals[0].item()), int(totals[1].item())
 
 
 def gather_time_parts(history: list[IterationStats]) -> list[dict]:
