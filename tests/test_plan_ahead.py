@@ -122,15 +122,17 @@ def test_out_of_order_get_is_an_error():
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_planner_exception_reaches_trainer_with_traceback(workers):
+def test_planner_exception_reaches_trainer_in_one_line_with_its_traceback_beside(workers):
     with PlanAhead(failing_plan, lengths_of, num_workers=workers, prefetch=2).start(0) as p:
         assert len(collect(p, 0, 3)) == 3  # the iterations before the failure still arrive
         with pytest.raises(PlanningFailed) as err:
             p.get(3)
     assert err.value.iteration == 3
     assert "iteration 3" in str(err.value)
-    assert "no feasible split for 200 samples" in str(err.value)
-    assert "failing_plan" in str(err.value)  # the worker's traceback text
+    assert str(err.value).endswith("failed: ValueError: no feasible split for 200 samples") \
+        or str(err.value).endswith("worker: ValueError: no feasible split for 200 samples")
+    assert "\n" not in str(err.value)     # the traceback was flattened into the error line
+    assert "failing_plan" in err.value.detail  # the worker's traceback text, for --debug
 
 
 def test_stalled_planner_times_out_naming_the_iteration():

@@ -36,11 +36,22 @@ PLANNER_NICE = 10
 
 
 class PlanningFailed(RuntimeError):
-    """Planning of `iteration` failed; the message carries the planner's traceback text."""
+    """Planning of `iteration` failed; the message says why in one line, `detail` holds the
+    planner's traceback text (printed under the trainer's --debug)."""
 
-    def __init__(self, iteration: int, message: str):
+    def __init__(self, iteration: int, message: str, detail: str | None = None):
         super().__init__(message)
         self.iteration = iteration
+        self.detail = detail
+
+
+def failure_line(traceback_text: str) -> str:
+    """'Type: message' from the last line of a formatted traceback (the module path of the
+    exception's type left out)."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else "unknown error"
+    kind, sep, message = last.partition(": ")
+    return f"{kind.rsplit('.', 1)[-1]}{sep}{message}"
 
 
 class PlanningTimeout(PlanningFailed):
@@ -252,7 +263,7 @@ class PlanAhead:
         wait_s = time.perf_counter() - start
         if outcome[0] == "error":
             raise PlanningFailed(iteration, f"planning iteration {iteration} failed in a planner "
-                                            f"worker:\n{outcome[1]}")
+                                            f"worker: {failure_line(outcome[1])}", outcome[1])
         return Planned(iteration, outcome[1], wait_s, outcome[2])
 
     def is_ready(self, iteration: int) -> bool:
@@ -267,8 +278,9 @@ class PlanAhead:
         try:
             value = self.plan_fn(iteration, self.lengths_fn(iteration))
         except Exception as exc:
-            raise PlanningFailed(iteration, f"planning iteration {iteration} failed:\n"
-                                            f"{traceback.format_exc()}") from exc
+            text = traceback.format_exc()
+            raise PlanningFailed(iteration, f"planning iteration {iteration} failed: "
+                                            f"{failure_line(text)}", text) from exc
         took = time.perf_counter() - start
         return Planned(iteration, value, took, took)
 

@@ -67,6 +67,11 @@ def report_failure(prog: str, exc: BaseException, debug: bool, setup: bool,
     not name it); with debug the traceback first."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
+        cause = exc
+        while cause is not None:     # e.g. a planner worker's traceback (PlanningFailed)
+            if getattr(cause, "detail", None):
+                print(cause.detail, file=sys.stderr)
+            cause = cause.__cause__ or cause.__context__
     what = str(exc) if setup else f"{type(exc).__name__}: {exc}"
     if rank is not None and not setup and not what.startswith(f"{type(exc).__name__}: rank "):
         what = f"rank {rank}: {what}"
