@@ -368,3 +368,26 @@ def test_a_hugging_face_folder_that_is_empty_lacks_its_config_or_is_truncated_is
         code, out = convert("--from-hf", folder, "--to", tmp_path / "out")
         assert code == 1 and "Traceback" not in out, out
         assert out.startswith("convert_checkpoint: ") and said in out and out.count("\n") == 1
+
+
+def test_a_stats_file_that_is_a_folder_is_a_flag_error_before_training(tmp_path, capsys):
+    """It failed after iteration 1, naming neither the flag nor the path."""
+    from tests.test_checkpointing import tiny_config
+    with pytest.raises(SystemExit):
+        tiny_config("--stats-file", str(tmp_path))
+    assert f"--stats-file {tmp_path} is a folder; give the path of a file" in \
+        capsys.readouterr().err
+
+
+def test_a_failed_run_never_says_done():
+    import io
+    from megatron.training.train_logging import IterationStats, TrainLogger
+    for finished in (True, False):
+        stream = io.StringIO()
+        logger = TrainLogger(1, stream=stream)
+        logger.log(IterationStats(iteration=1, train_iters=6, loss=1.0, lr=1e-3, grad_norm=1.0,
+                                  real_tokens=100, token_slots=120, num_micro_batches=1,
+                                  shapes="1x120", plan_wait_s=0.0, iteration_s=1.0,
+                                  peak_memory_bytes=0))
+        logger.close(finished)
+        assert ("[train] done: 1 iterations" in stream.getvalue()) == finished

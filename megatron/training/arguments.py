@@ -347,6 +347,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
          f"--tensorboard-dir {cfg.tensorboard_dir}: the tensorboard package is not installed "
          f"(requirements.txt leaves it out); install it with `pip install tensorboard` in "
          f"this environment, or leave the flag out (--stats-file writes the same numbers)")
+    need(not (cfg.stats_file and os.path.isdir(cfg.stats_file)),
+         f"--stats-file {cfg.stats_file} is a folder; give the path of a file (JSON lines)")
     need(cfg.save_interval >= 0, f"--save-interval must be >= 0, got {cfg.save_interval}")
     need(not (cfg.save_interval and not cfg.save), "--save-interval needs --save DIR")
     need(cfg.keep_last >= 0, f"--keep-last must be >= 0 (0 = keep all), got {cfg.keep_last}")

@@ -207,10 +207,12 @@ class TrainLogger:
         for rank, parts in enumerate(per_rank):
             print(f"[train] rank {rank}: {shares_line(parts)}", file=self.stream, flush=True)
 
-    def close(self) -> None:
-        if self.enabled and self.history:
+    def close(self, finished: bool = True) -> None:
+        """End the log: the run summary and validation line only if the run `finished` (a
+        failed run's error is its last word, never a "done")."""
+        if self.enabled and self.history and finished:
             print(run_summary(self.history), file=self.stream, flush=True)
-        if self.enabled and self.validation:
+        if self.enabled and self.validation and finished:
             seconds = sum(v.eval_s for v in self.validation)
             print(f"[valid] {len(self.validation)} evaluations took {seconds:.2f}s, kept out of "
                   f"the training tokens/s; last loss {self.validation[-1].loss:.4f}",

@@ -490,10 +490,10 @@ class TrainingRun:
     def modules(self) -> list:
         return [self.stages[s] for s in sorted(self.stages)]
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         if self.plans is not None:
             self.plans.close()
-        self.logger.close()
+        self.logger.close(finished)
         self.handlers.runtime.close()
         if self.cfg.save and self.layout.rank == 0:
             checkpointing.release_save_lock(self.cfg.save)
@@ -824,6 +824,7 @@ def train(run: TrainingRun) -> list[IterationStats]:
     SIGINT end it after the current iteration, with a checkpoint (exit_signals.py)."""
     cfg = run.cfg
     profiler = IterationProfiler(cfg, run.layout.rank, run.layout.device)
+    finished = False
     try:
         with ExitSignals(cfg.exit_signal_handler) as signals:
             for iteration in range(run.start_iteration, cfg.train_iters):
@@ -851,6 +852,7 @@ def train(run: TrainingRun) -> list[IterationStats]:
         profiler.stop(cfg.train_iters)
         run.logger.log_time_parts(gather_time_parts(run.logger.history[1:]
                                                     or run.logger.history))
+        finished = True
     finally:
-        run.close()
+        run.close(finished)
     return run.logger.history
