@@ -20,7 +20,6 @@ from megatron.model.attention import (
     position_score_mod,
     sdpa_layer_spec,
     segment_bucket,
-    set_packed_attention,
 )
 from megatron.model.batch_tensors import build_micro_batch
 from megatron.model.init_weights import initialize_stage_weights
@@ -60,7 +59,7 @@ def dense_mask(q: Segments, k: Segments, causal: bool) -> torch.Tensor:
     return ~allowed[:, None]
 
 
-def compare(q_lengths, k_lengths, sq, sk, causal, mode="segments", gqa=1, device="cpu",
+def compare(q_lengths, k_lengths, sq, sk, causal, backend="flex", gqa=1, device="cpu",
             tol=(1e-5, 1e-5, 1e-4, 1e-5)):
     """Forward and backward of SDPAttention vs DotProductAttention on random q/k/v; only real
     query positions carry output gradient (pad outputs are don't-care)."""
@@ -79,7 +78,7 @@ def compare(q_lengths, k_lengths, sq, sk, causal, mode="segments", gqa=1, device
     for module, mask in ((core(DotProductAttention, mask_type), dense),
                          (core(SDPAttention, mask_type),
                           AttentionMask.of(q_seg, None if q_seg is k_seg else k_seg))):
-        module.packed_attention = mode
+        module.backend = backend
         if gqa > 1:
             module.num_query_groups_per_partition = HEADS // gqa
         xs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -104,16 +103,16 @@ def test_cross_attention_key_padding(world):
     compare([(4,), (6,)], [(7,), (3,)], 6, 9, causal=False)
 
 
-@pytest.mark.parametrize("mode", ["segments", "mask"])
+@pytest.mark.parametrize("backend", ["sdpa", "dense-mask"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_segments(world, mode, causal):
+def test_packed_segments(world, backend, causal):
     lengths = [(3, 5, 2), (4, 4), (10,)]
-    compare(lengths, lengths, 12, 12, causal=causal, mode=mode)
+    compare(lengths, lengths, 12, 12, causal=causal, backend=backend)
 
 
-@pytest.mark.parametrize("mode", ["segments", "mask"])
-def test_packed_cross_attention(world, mode):
-    compare([(2, 3), (4, 1)], [(5, 2), (3, 6)], 6, 10, causal=False, mode=mode)
+@pytest.mark.parametrize("backend", ["sdpa", "dense-mask"])
+def test_packed_cross_attention(world, backend):
+    compare([(2, 3), (4, 1)], [(5, 2), (3, 6)], 6, 10, causal=False, backend=backend)
 
 
 @pytest.mark.gpu
@@ -240,12 +239,16 @@ def test_layout_errors_are_clear():
 def test_layer_specs_use_sdpa_attention():
     from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec
     base = decoder_model_with_local_spec()
-    spec = sdpa_layer_spec(base)
-    assert spec.submodules.self_attention.submodules.core_attention is SDPAttention
-    assert spec.submodules.cross_attention.submodules.core_attention is SDPAttention
+    spec = sdpa_layer_spec(base, "dense-mask")
+    for name in ("self_attention", "cross_attention"):
+        core = getattr(spec.submodules, name).submodules.core_attention
+        assert core.module is SDPAttention and core.params == {"backend": "dense-mask"}
     assert base.submodules.self_attention.submodules.core_attention is DotProductAttention
-    assert layer_spec("enc_layer", use_te=False).submodules.self_attention.submodules \
-        .core_attention is SDPAttention
+    core = layer_spec("enc_layer", use_te=False).submodules.self_attention.submodules \
+        .core_attention
+    assert core.module is SDPAttention and core.params == {"backend": "flex"}
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        SDPAttention(None, backend="zigzag")
 
 
 # ------------------------------------------------------------------ whole stages
@@ -263,10 +266,12 @@ def random_samples(model, n, seed):
     return out
 
 
-def loss_and_grads(spec, batch, mode="segments", recompute="none"):
-    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec))
+def loss_and_grads(spec, batch, backend="flex", recompute="none"):
+    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
+                               attention_backend=backend)
     initialize_stage_weights(stages, 9)
-    count = set_packed_attention(stages[0], mode)
+    count = sum(isinstance(m, SDPAttention) and m.backend == backend
+                for m in stages[0].modules())
     losses = run_stage_forward(stages[0], (), batch, recompute)
     (losses * batch["loss_mask"]).sum().backward()
     return losses.detach(), {n: p.grad.clone() for n, p in stages[0].named_parameters()}, count
@@ -309,12 +314,11 @@ def test_packed_modes_and_recompute_agree_on_a_whole_stage(world, model):
     mb = MicroBatch(rows=((0, 1, 2), (3, 4), (5, 6)), seq_len=40,
                     dec_seq_len=24 if model == "t5" else 0)
     batch = build_micro_batch(mb, samples, model, 0)
-    ref, ref_grads, count = loss_and_grads(spec, batch, "mask")
+    ref, ref_grads, count = loss_and_grads(spec, batch, "dense-mask")
     # GPT: one self-attention per layer; T5: encoder self, decoder self + cross
     assert count == (2 if model == "gpt" else 2 + 2 * 2)
     real = batch["loss_mask"] > 0
-    for mode, recompute in (("segments", "none"), ("segments", "selective"),
-                            ("segments", "full")):
+    for mode, recompute in (("sdpa", "none"), ("sdpa", "selective"), ("sdpa", "full")):
         got, grads, _ = loss_and_grads(spec, batch, mode, recompute)
         torch.testing.assert_close(got[real], ref[real], rtol=1e-5, atol=1e-5)
         for name, grad in ref_grads.items():

@@ -154,6 +154,7 @@ PARSER_BEFORE = {
     "--rope-scaling-low-freq-factor": (1.0, None, 'float', None, False),
     "--rope-scaling-high-freq-factor": (4.0, None, 'float', None, False),
     "--rope-scaling-original-max-position-embeddings": (8192, None, 'int', None, False),
+    "--attention-backend": ('auto', ('auto', 'flex', 'sdpa', 'dense-mask'), 'None', None, False),
 }
 T5_ONLY = {"--decoder-num-layers", "--decoder-seq-length", "--encoder-num-layers",
            "--encoder-seq-length", "--relative-attention-max-distance",
@@ -198,7 +199,8 @@ def test_config_fields_have_no_defaults_of_their_own():
     resolved = {"num_layers", "decoder_num_layers", "seq_length", "decoder_seq_length",
                 "ffn_hidden_size", "max_position_embeddings", "kv_channels", "num_query_groups",
                 "distributed_timeout_minutes", "tokens_per_global_batch", "global_batch_size",
-                "num_virtual_stages_per_pipeline_rank", "cost_model", "lr_decay_iters",
+                "num_virtual_stages_per_pipeline_rank", "cost_model", "attention_backend",
+                "lr_decay_iters",
                 "lr_wsd_decay_iters"}
     assert filled | resolved == {f.name for f in dataclasses.fields(TrainConfig)}
     assert not filled & resolved

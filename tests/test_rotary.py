@@ -113,18 +113,17 @@ def test_rope_scaling_and_percent_change_the_rotation(world):
 def test_packed_attention_modes_agree_with_rope(world):
     """The per-segment and the block-mask attention of a packed row give each sample what it
     computes alone (stages' other tests check the padded path)."""
-    from megatron.model.attention import set_packed_attention
     from megatron.model.batch_tensors import unsplit_micro_batch
     rng = np.random.default_rng(1)
     samples = {i: (rng.integers(1, 64, n), rng.integers(1, 64, n), np.ones(n, np.float32))
                for i, n in enumerate((9, 17, 4))}
-    stage = build_rank_stages(LLAMA, (0,), 0, build_transformer_config(LLAMA))[0]
-    initialize_stage_weights({0: stage}, 3)
     alone = build_micro_batch(unsplit_micro_batch([0, 1, 2], samples, "gpt"), samples, "gpt", 0)
     packed = build_micro_batch(MicroBatch(rows=((0, 1, 2),), seq_len=32), samples, "gpt", 0)
-    with torch.no_grad():
-        expected = torch.cat([stage((), alone)[i, :len(samples[i][0])] for i in range(3)])
-        for mode in ("segments", "mask"):
-            set_packed_attention(stage, mode)
+    for backend in ("sdpa", "dense-mask"):
+        stage = build_rank_stages(LLAMA, (0,), 0, build_transformer_config(LLAMA),
+                                  attention_backend=backend)[0]
+        initialize_stage_weights({0: stage}, 3)
+        with torch.no_grad():
+            expected = torch.cat([stage((), alone)[i, :len(samples[i][0])] for i in range(3)])
             torch.testing.assert_close(stage((), packed)[0, :30], expected, rtol=1e-5,
                                        atol=1e-6)

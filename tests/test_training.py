@@ -614,6 +614,46 @@ def test_wave_layout_that_does_not_split_the_model_fails_before_any_collective(c
     assert "2 transformer layers do not split evenly over 4 pipeline stages" in msg
 
 
+@pytest.mark.parametrize("given", ["auto", "sdpa", "dense-mask"])
+def test_planner_costs_attention_as_the_built_layers_compute_it(given):
+    """--attention-backend is resolved once (auto: sdpa on CPU) and both the layers' core
+    attention and the planner's costing of packed rows derive from that one value."""
+    from dynapipe_ext.batching.planners import ATTENTION_COSTING
+    from megatron.model.attention import SDPAttention
+    from megatron.training.training import build_stages, model_spec, planner_config
+    cfg = parse_args("t5", ["--data-path", "d", "--num-layers", "2", "--hidden-size", "32",
+                            "--num-attention-heads", "2", "--train-iters", "2",
+                            "--micro-batching", "packing", "--attention-backend", given],
+                     has_cuda=False)
+    assert cfg.attention_backend == ("sdpa" if given == "auto" else given)
+    spec = model_spec(cfg, 100)
+    from tests.multiproc import single_process_world
+    with single_process_world(seed=1):
+        stages = build_stages(cfg, spec, ParallelLayout.data_parallel(0, 1), (0,))
+    cores = [m for module in stages.values() for m in module.modules()
+             if isinstance(m, SDPAttention)]
+    assert len(cores) == 2 + 2 * 2      # encoder self, decoder self + cross, per layer
+    assert {m.backend for m in cores} == {cfg.attention_backend}
+    costed = planner_config(cfg, spec, 1).planner.packed_attention
+    assert costed == ATTENTION_COSTING[cfg.attention_backend] == \
+        ("mask" if given == "dense-mask" else "segments")
+
+
+def test_attention_backend_resolves_from_the_device_and_dropout(monkeypatch):
+    from megatron.training.arguments import resolve_attention_backend
+    monkeypatch.delenv("DYNAPIPE_DEVICE", raising=False)
+    assert resolve_attention_backend("auto", True, 0.0) == "flex"
+    assert resolve_attention_backend("auto", True, 0.1) == "sdpa"    # flex has no dropout
+    assert resolve_attention_backend("auto", False, 0.0) == "sdpa"
+    assert resolve_attention_backend("dense-mask", True, 0.1) == "dense-mask"
+    with pytest.raises(ConfigError, match="--attention-backend flex runs on CUDA only"):
+        resolve_attention_backend("flex", False, 0.0)
+    with pytest.raises(ConfigError, match="flex has no attention dropout"):
+        resolve_attention_backend("flex", True, 0.1)
+    monkeypatch.setenv("DYNAPIPE_DEVICE", "cpu")
+    assert resolve_attention_backend("auto", True, 0.0) == "sdpa"
+
+
 @pytest.mark.parametrize("flags,stages", [
     (["--pipeline-schedule", "wave"], 4),
     (["--pipeline-schedule", "wave", "--pipeline-waves", "2"], 8),

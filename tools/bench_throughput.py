@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from dynapipe_ext.report.doc_sections import write_section  # noqa: E402
 from dynapipe_ext.report.throughput import (STRATEGIES, add_ratios, merge_rounds,  # noqa: E402
                                             percent, report_markdown)
+from dynapipe_ext.batching.planners import ATTENTION_COSTING  # noqa: E402
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES  # noqa: E402
 from tools.benchlib.launch import run_group  # noqa: E402
 from tools.benchlib.ports import free_port  # noqa: E402
@@ -82,6 +83,9 @@ def train_flags(job: dict, strategy: str) -> list[str]:
              # as measured for BENCHMARKS.md: no dropout (on CPU attention dropout would
              # also switch off the fused attention kernel)
              "--hidden-dropout", "0", "--attention-dropout", "0",
+             # packing: one SDPA over the row with the block-diagonal mask (Megatron-style
+             # packing without a varlen kernel); the rest compute only the sample blocks
+             "--attention-backend", "dense-mask" if strategy == "packing" else "auto",
              "--data-path", job["data_path"], "--log-interval", "1",
              "--num-planner-workers", "1", "--plan-prefetch", "2",
              "--distributed-timeout-minutes", str(job["timeout_minutes"])]
@@ -123,10 +127,10 @@ def cost_model_options(job: dict) -> dict:
 # ============================================================================ planning setup
 
 def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | None,
-                         strategy: str = "dynamic", **startup):
+                         **startup):
     """The trainer's planner config with the benchmark's cost model (device throughput and
     memory of this machine) and, for padding / packing, the tuned rows per micro-batch;
-    "packing" (dense block-diagonal mask) is costed as dense rows, the rest as they run."""
+    attention is costed as the run's --attention-backend computes it (planner_config)."""
     from dataclasses import replace
 
     from dynapipe_ext.plan.iteration_planner import CostModelSource
@@ -139,8 +143,7 @@ def bench_planner_config(cfg, spec, dp: int, job: dict, micro_batch_size: int | 
         memory = cost_model_options(job)["device_mem_bytes"]
         source = CostModelSource.profile(
             source.path, **dict(source.options, device_memory_bytes=memory))
-    planner = replace(plan_cfg.planner, micro_batch_size=micro_batch_size,
-                      packed_attention="mask" if strategy == "packing" else "segments")
+    planner = replace(plan_cfg.planner, micro_batch_size=micro_batch_size)
     return replace(plan_cfg, planner=planner, cost_model=source)
 
 
@@ -264,13 +267,13 @@ def mfu_fields(real_flops: float, computed_flops: float, parts_per_rank: list[di
 
 # ============================================================================ one strategy
 
-def build_bench_run(cfg, job: dict, micro_batch_size: int | None, strategy: str):
+def build_bench_run(cfg, job: dict, micro_batch_size: int | None):
     """The trainer's TrainingRun, planning with the benchmark's planner config (cost model of
     this device, tuned baseline micro-batch size)."""
     from megatron.training.training import build_run
     return build_run(cfg, verbose=job["verbose"],
                      make_planner_config=lambda cfg, spec, dp, **startup: bench_planner_config(
-                         cfg, spec, dp, job, micro_batch_size, strategy, **startup))
+                         cfg, spec, dp, job, micro_batch_size, **startup))
 
 
 class PlanRecorder:
@@ -327,22 +330,15 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron.model.attention import set_packed_attention
     from megatron.training.arguments import parse_args
     from megatron.training.step_timing import add_parts
     from megatron.training.training import train_step
     cfg = parse_args(job["model"], train_flags(job, strategy))
     micro_batch_size, tuning = None, {}
     if strategy.split("+")[0] == "padding":
-        micro_batch_size, tuning = tune_for(cfg, job, strategy)
-    run = build_bench_run(cfg, job, micro_batch_size, strategy)
-    # packing: one SDPA over the row with the block-diagonal mask (Megatron-style packing
-    # without a varlen kernel); the rest (packing+segment-attn, dynamic's packed streams):
-    # only the sample blocks are computed, the trainer's default
-    mode = "mask" if strategy == "packing" else "segments"
-    replaced = sum(set_packed_attention(m, mode) for m in run.stages.values())
-    replaced = replaced if mode == "segments" else 0
-    recorder = PlanRecorder(run, mode)
+        micro_batch_size, tuning = tune_for(cfg, job)
+    run = build_bench_run(cfg, job, micro_batch_size)
+    recorder = PlanRecorder(run, ATTENTION_COSTING[cfg.attention_backend])
     stats = []
     total = job["warmup_iters"] + job["iters"]
     compiles_before = 0
@@ -394,7 +390,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
         "packing_window": job["packing_window"] if strategy == WINDOW else 0,
         "rows_per_micro_batch": sorted({m[0] for r in records for m in r["micro_batches"]}),
         "memory_gib": job["memory_gib"],
-        "micro_batch_size_predicted_ms": tuning, "segment_attention_modules": replaced,
+        "micro_batch_size_predicted_ms": tuning, "attention_backend": cfg.attention_backend,
         "iterations": len(measured), "warmup_iterations": job["warmup_iters"],
         "real_tokens": real, "elapsed_s": elapsed, "tokens_per_s": real / elapsed,
         "iteration_s": [s.iteration_s for s in measured],
@@ -430,14 +426,13 @@ def compile_count() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def tune_for(cfg, job: dict, strategy: str):
+def tune_for(cfg, job: dict):
     """Tuned rows per micro-batch of a padding / packing run (same on every rank)."""
     from megatron.training.training import model_spec, open_training_data
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     data = open_training_data(cfg, rank)
     spec = model_spec(cfg, data.vocab_size)
-    plan_cfg = bench_planner_config(cfg, spec, cfg.data_parallel_size(world), job, None,
-                                    strategy)
+    plan_cfg = bench_planner_config(cfg, spec, cfg.data_parallel_size(world), job, None)
     total = job["warmup_iters"] + job["iters"]
     batches = [data.batch_lengths(i) for i in range(job["warmup_iters"], total)]
     return tune_micro_batch_size(plan_cfg, batches)

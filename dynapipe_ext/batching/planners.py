@@ -32,6 +32,11 @@ PACKING_ALGORITHMS = ALGORITHMS    # the packers' own list (batching/packing.py)
 # the trainer's default: FlexAttention / grouped SDPA) or over the whole row with a
 # block-diagonal mask ("mask", S^2 work: packing without a varlen kernel)
 PACKED_ATTENTION = ("segments", "mask")
+# --attention-backend (megatron/model/attention.py runs them) -> how the planner costs a packed
+# row under it: FlexAttention's document mask and SDPA per group of sample lengths compute
+# each sample's block ("segments"), "dense-mask" one SDPA over the row ("mask")
+ATTENTION_COSTING = {"flex": "segments", "sdpa": "segments", "dense-mask": "mask"}
+ATTENTION_BACKENDS = ("auto",) + tuple(ATTENTION_COSTING)
 
 
 class PlanningError(ValueError):

@@ -9,27 +9,30 @@ segment ids on the device). No S x S array is ever built on the host:
 * right-padded rows (one sample per row; padding, token-budget, dynamic): causal attention is
   `is_causal` alone (pad keys come after every real query), bidirectional attention (T5 encoder,
   cross-attention) a [rows, 1, 1, S_k] key-padding mask from the segment ids;
-* packed rows (several samples per row), `packed_attention` mode of the module:
-  - "segments" (default): only the blocks of the block-diagonal mask are computed, so the work is
-    sum(l_i^2) rather than S^2. On CUDA with FlexAttention that is one document-masked kernel;
-    elsewhere (torch 2.13 CPU: FlexAttention has no backward, nested-tensor SDPA no backend) the
-    segments of all rows are grouped by length and each group is one batched SDPA call (a gather
-    and a scatter of q/k/v, one kernel per distinct length instead of one per segment);
-  - "mask": one SDPA over the whole row with the block-diagonal mask built on the device from the
-    segment ids; S^2 work and memory (bool mask), what Megatron-style packing without a varlen
-    kernel does, kept as the throughput bench's "packing" baseline.
+* packed rows (several samples per row), by the module's `backend` (--attention-backend, which
+  the trainer resolves once at start-up and hands every layer through its ModuleSpec):
+  - "flex" (the module's default) and "sdpa": only the blocks of the block-diagonal mask are
+    computed, so the work is sum(l_i^2) rather than S^2. "flex" is one document-masked
+    FlexAttention kernel where that kernel runs (CUDA, no attention dropout); "sdpa", and "flex"
+    elsewhere (torch 2.13 CPU: FlexAttention has no backward, nested-tensor SDPA no backend),
+    groups the segments of all rows by length and runs each group as one batched SDPA call (a
+    gather and a scatter of q/k/v, one kernel per distinct length instead of one per segment);
+  - "dense-mask": one SDPA over the whole row with the block-diagonal mask built on the device
+    from the segment ids; S^2 work and memory (bool mask), what Megatron-style packing without a
+    varlen kernel does, kept as the throughput bench's "packing" baseline.
   Trade-off of the grouped fallback: work and memory follow the samples, at the price of one
   gather of q/k/v and one scatter of the output per layer and one kernel per distinct sample
-  length; the "mask" mode is one kernel but S^2 (wasted) work and an S^2 mask on the device.
+  length; "dense-mask" is one kernel but S^2 (wasted) work and an S^2 mask on the device. The
+  planner costs each backend's work (planners.ATTENTION_COSTING).
 
 A position bias (T5's relative buckets, `AttentionMask.bias`, [1, heads, n, n]) depends on
 the query's and key's positions inside their sample, counted from the sample's start: entry
 [i, j] is the bias of query i and key j of a sample. Right-padded rows (n = the padded length)
 run one SDPA call whose float mask is the bias where the segment mask allows and -inf elsewhere
 (S^2, as the bias itself is). Packed rows (n = the longest sample) run per segment, grouped by
-length like the segments mode, each group with the bias's top-left [lq, lk] block as its float
-mask: work and memory follow the samples, never a packed row's S^2. On CUDA with FlexAttention
-both layouts are one document-masked kernel with the bias as its score_mod
+length like the "sdpa" backend, each group with the bias's top-left [lq, lk] block as its float
+mask: work and memory follow the samples, never a packed row's S^2. With the "flex" backend on
+CUDA both layouts are one document-masked kernel with the bias as its score_mod
 (`position_score_mod`, self-attention only: T5's cross-attention has no bias), so neither S^2
 float masks nor one call per length group remain.
 
@@ -48,10 +51,11 @@ from megatron.core import tensor_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynapipe_ext.batching.planners import PACKED_ATTENTION as PACKED_MODES   # the planner costs them
+from dynapipe_ext.batching.planners import ATTENTION_COSTING   # the backends the planner costs
 
-# SDPA backends in the order tried. cuDNN's kernel (torch 2.11's first choice on an H100) builds
+# SDPA backends in the order tried. cuDNN's kernel (torch's first choice on an H100) builds
 # an execution graph for every new input shape, ~100 ms of host time each time; dynamic
 # micro-batches bring new shapes for hundreds of iterations, and the measured GPT run on an H100
 # spent 60% of its host time there (docs/BENCHMARKS.md, "GPU"). Flash and memory-efficient
@@ -326,9 +330,15 @@ def position_score_mod(bias: PositionBias):
 class SDPAttention(DotProductAttention):
     """megatron-core core attention on scaled_dot_product_attention (see module docstring).
     Same constructor and forward signature as DotProductAttention; `attention_mask` is an
-    AttentionMask, a megatron bool mask tensor (True = masked out) or None."""
+    AttentionMask, a megatron bool mask tensor (True = masked out) or None. `backend`
+    (ATTENTION_COSTING's keys) says how packed and biased rows are computed."""
 
-    packed_attention = "segments"
+    def __init__(self, *args, backend: str = "flex", **kwargs):
+        if backend not in ATTENTION_COSTING:
+            raise ValueError(f"attention backend must be one of {tuple(ATTENTION_COSTING)}, "
+                             f"got {backend!r}")
+        super().__init__(*args, **kwargs)
+        self.backend = backend
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -359,7 +369,7 @@ class SDPAttention(DotProductAttention):
             return out.reshape(sq, batch, -1)
         elif not (attention_mask.q.packed or attention_mask.k.packed):
             out = self._padded(q, k, v, attention_mask, causal)
-        elif self.packed_attention == "mask":
+        elif self.backend == "dense-mask":
             if ("dense", causal) not in attention_mask.cache:    # built once per micro-batch
                 attention_mask.cache[("dense", causal)] = attention_mask.dense(causal)
             out = self._sdpa(q, k, v, attention_mask.cache[("dense", causal)], False)
@@ -416,15 +426,15 @@ class SDPAttention(DotProductAttention):
         return self._sdpa(q, k, v, scores, False)
 
     def _flex_takes(self, q, mask: AttentionMask) -> bool:
-        """Whether FlexAttention runs this call: on CUDA without dropout (it has none), for
-        packed rows in "segments" mode and for any layout with a position bias (a score_mod),
-        as long as the bias is a PositionBias over one layout (self-attention)."""
-        if not _flex_available(q.device) or self._dropout_p():
+        """Whether FlexAttention runs this call: with the "flex" backend where its kernel runs
+        (CUDA, no dropout: it has none), for packed rows and for any layout with a position
+        bias (a score_mod), as long as the bias is a PositionBias over one layout
+        (self-attention)."""
+        if self.backend != "flex" or not _flex_available(q.device) or self._dropout_p():
             return False
         if mask.bias is not None:
-            return isinstance(mask.bias, PositionBias) and mask.q is mask.k and not (
-                mask.q.packed and self.packed_attention == "mask")
-        return (mask.q.packed or mask.k.packed) and self.packed_attention == "segments"
+            return isinstance(mask.bias, PositionBias) and mask.q is mask.k
+        return mask.q.packed or mask.k.packed
 
     def _flex(self, q, k, v, mask: AttentionMask, causal: bool):
         """One document-masked FlexAttention call, the position bias as its score_mod. The
@@ -527,25 +537,14 @@ def _padded_positions(starts, lengths, width: int, seq_len: int):
     return positions, offset < np.asarray(lengths)[:, None]
 
 
-def sdpa_layer_spec(layer_spec):
-    """A copy of a layer ModuleSpec whose self- and cross-attention use SDPAttention."""
+def sdpa_layer_spec(layer_spec, backend: str = "flex"):
+    """A copy of a layer ModuleSpec whose self- and cross-attention use SDPAttention with
+    attention backend `backend`."""
     spec = copy.deepcopy(layer_spec)
     for name in ("self_attention", "cross_attention"):
         attention = getattr(spec.submodules, name, None)
         submodules = getattr(attention, "submodules", None)
         if submodules is not None and getattr(submodules, "core_attention", None) is not None:
-            submodules.core_attention = SDPAttention
+            submodules.core_attention = ModuleSpec(module=SDPAttention,
+                                                   params={"backend": backend})
     return spec
-
-
-def set_packed_attention(module: torch.nn.Module, mode: str) -> int:
-    """Choose how every SDPAttention inside `module` computes packed rows ("segments" or
-    "mask", see the module docstring); returns how many modules were set."""
-    if mode not in PACKED_MODES:
-        raise ValueError(f"packed attention mode must be one of {PACKED_MODES}, got {mode!r}")
-    count = 0
-    for sub in module.modules():
-        if isinstance(sub, SDPAttention):
-            sub.packed_attention = mode
-            count += 1
-    return count

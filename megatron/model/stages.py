@@ -217,9 +217,10 @@ def set_recompute(config: TransformerConfig, mode: str) -> None:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
 
 
-def layer_spec(kind: str, use_te: bool = HAVE_TE):
-    """The ModuleSpec of one GPT_LAYER / ENC_LAYER / DEC_LAYER with SDPAttention as core
-    attention: TransformerEngine's spec when `use_te`, else megatron-core's local one."""
+def layer_spec(kind: str, use_te: bool = HAVE_TE, attention_backend: str = "flex"):
+    """The ModuleSpec of one GPT_LAYER / ENC_LAYER / DEC_LAYER with SDPAttention (on
+    `attention_backend`) as core attention: TransformerEngine's spec when `use_te`, else
+    megatron-core's local one."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -236,7 +237,7 @@ def layer_spec(kind: str, use_te: bool = HAVE_TE):
                  DEC_LAYER: decoder_model_with_local_spec}
     if kind not in specs:
         raise ValueError(f"no layer spec for layer kind {kind!r}")
-    return sdpa_layer_spec(specs[kind]())
+    return sdpa_layer_spec(specs[kind](), attention_backend)
 
 
 def _relative(config: TransformerConfig, spec: ModelSpec, bidirectional: bool):
@@ -421,7 +422,8 @@ class StageModule(torch.nn.Module):
     """The layers of one pipeline stage; see the module docstring for the forward contract."""
 
     def __init__(self, spec: ModelSpec, num_stages: int, stage: int,
-                 config: TransformerConfig, tie_embeddings: bool = True):
+                 config: TransformerConfig, tie_embeddings: bool = True,
+                 attention_backend: str = "flex"):
         super().__init__()
         self.spec, self.stage, self.num_stages = spec, stage, num_stages
         self.config = config
@@ -444,18 +446,22 @@ class StageModule(torch.nn.Module):
         self.embedding = (LanguageModelEmbedding(config, spec.vocab_size,
                                                  spec.max_position_embeddings, position)
                           if self.has_embedding else None)
-        self.decoder = _block(config, layer_spec(GPT_LAYER), n_gpt) if n_gpt else None
+        self.attention_backend = attention_backend
+
+        def layers(kind):
+            return layer_spec(kind, attention_backend=attention_backend)
+        self.decoder = _block(config, layers(GPT_LAYER), n_gpt) if n_gpt else None
         self.rotary = RotaryPositions(spec) if spec.rotary and n_gpt else None
         if self.decoder is not None:
             for layer, part in zip(self.decoder.layers, self.gpt_parts):
                 _keep_half(layer, part)
-        self.encoder = _block(config, layer_spec(ENC_LAYER), n_enc) if n_enc else None
+        self.encoder = _block(config, layers(ENC_LAYER), n_enc) if n_enc else None
         self.encoder_norm = norm(config) if ENC_NORM in self.kinds else None
         self.decoder_embedding = (LanguageModelEmbedding(config, spec.vocab_size,
                                                          spec.max_position_embeddings, position)
                                   if self.starts_decoder else None)
         if n_dec:
-            self.decoder = _block(config, layer_spec(DEC_LAYER), n_dec)
+            self.decoder = _block(config, layers(DEC_LAYER), n_dec)
         # T5 relative position buckets: one per-head bias table per stack, computed once per
         # stage forward and added in every self-attention of that stack (HF computes it in
         # the first layer and passes it on); every stage holding layers of a stack has a copy
@@ -620,9 +626,11 @@ def replica_holders(spec: ModelSpec, stage_to_rank: tuple[int, ...], name: str,
 def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: int,
                       config: TransformerConfig,
                       device: torch.device | str | None = None,
-                      tie_embeddings: bool = True) -> dict[int, StageModule]:
+                      tie_embeddings: bool = True,
+                      attention_backend: str = "flex") -> dict[int, StageModule]:
     """The stage modules pipeline rank `pp_rank` holds under `stage_to_rank`
-    (stage index -> module, in stage order), built on the CPU and moved to `device` if given.
+    (stage index -> module, in stage order), built on the CPU and moved to `device` if given;
+    their core attention runs on `attention_backend` (the run's --attention-backend).
     Weights are not yet set: call init_weights.initialize_stage_weights next.
     Each replicated parameter (tied word embedding, T5 relative-bias tables) records
     `tied_ranks`, the pipeline ranks holding a copy (GradBuffer needs replica_groups when
@@ -631,7 +639,7 @@ def build_rank_stages(spec: ModelSpec, stage_to_rank: tuple[int, ...], pp_rank: 
     if pp_rank not in stage_to_rank:
         raise ValueError(f"pipeline rank {pp_rank} holds no stage in layout {stage_to_rank}")
     spec.stage_layers(num_stages)   # raises when the layers do not split evenly
-    stages = {s: StageModule(spec, num_stages, s, config, tie_embeddings)
+    stages = {s: StageModule(spec, num_stages, s, config, tie_embeddings, attention_backend)
               for s, r in enumerate(stage_to_rank) if r == pp_rank}
     for module in stages.values():
         for param in module.parameters():

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
-from dynapipe_ext.batching.planners import PACKING_ALGORITHMS, STRATEGIES, PlannerConfig
+from dynapipe_ext.batching.planners import (ATTENTION_BACKENDS, PACKING_ALGORITHMS, STRATEGIES,
+                                            PlannerConfig)
 from dynapipe_ext.costs.model_spec import (MODEL_OPTIONS, NORMALIZATIONS,
                                             POSITION_EMBEDDING_TYPES, option_problems,
                                             option_values)
@@ -69,6 +70,7 @@ class TrainConfig:
     plan_prefetch: int
     check_plans: bool
     cost_model: str
+    attention_backend: str   # resolved at start-up (resolve_attention_backend): never "auto"
     # optimisation
     lr: float
     min_lr: float
@@ -647,6 +649,15 @@ FLAGS: tuple[Flag, ...] = (
             help="attention score scale; default 1/sqrt(kv channels), T5 uses 1.0"),
     declare(MODEL, "--kv-channels", field=None, type=int, default=None,
             help="per-head size; default hidden size / heads (FLAN-T5-small: 64)"),
+    declare(MODEL, "--attention-backend", field=None, choices=ATTENTION_BACKENDS,
+            default="auto",
+            help="core attention for packed streams and biased rows, resolved once at start-up "
+                 "and printed in the run's first line: 'flex' (FlexAttention's document mask; "
+                 "CUDA, no attention dropout), 'sdpa' (scaled_dot_product_attention per group "
+                 "of sample lengths), 'dense-mask' (one SDPA over each packed row with a "
+                 "block-diagonal mask: S^2 work, packing without a varlen kernel); 'auto': "
+                 "flex on a GPU without attention dropout, else sdpa. The planner costs "
+                 "attention as the backend computes it"),
     declare(MODEL, "--group-query-attention", action="store_true",
             help="grouped-query attention: the heads share key and value heads, one per "
                  "query group (GPT only: megatron-core's T5 cross-attention has none)"),
@@ -967,6 +978,22 @@ def parse_args(model: str, argv: Sequence[str] | None = None, has_cuda: bool | N
     return cfg
 
 
+def resolve_attention_backend(given: str, has_cuda: bool, attention_dropout: float) -> str:
+    """The --attention-backend a run uses: 'auto' becomes 'flex' where FlexAttention runs (a
+    GPU that DYNAPIPE_DEVICE=cpu does not turn off, no attention dropout: flex has none), else
+    'sdpa'; a backend named that cannot run here is a ConfigError."""
+    on_gpu = has_cuda and os.environ.get("DYNAPIPE_DEVICE", "").strip().lower() != "cpu"
+    if given == "auto":
+        return "flex" if on_gpu and attention_dropout == 0 else "sdpa"
+    if given == "flex" and not on_gpu:
+        raise ConfigError("--attention-backend flex runs on CUDA only (FlexAttention has no "
+                          "CPU backward); use sdpa or dense-mask here")
+    if given == "flex" and attention_dropout:
+        raise ConfigError(f"--attention-backend flex has no attention dropout: give "
+                          f"--attention-dropout 0 (got {attention_dropout}) or use sdpa")
+    return given
+
+
 def default_cost_model(has_cuda: bool) -> str:
     """'profile' where the run trains on a GPU (DYNAPIPE_DEVICE=cpu keeps a GPU host on CPU),
     else 'analytic' (CPU plans then do not depend on timings of a loaded machine)."""
@@ -1050,6 +1077,8 @@ def resolved_fields(model: str, args: argparse.Namespace, has_cuda: bool) -> dic
         num_virtual_stages_per_pipeline_rank=virtual_stages_given(
             args, num_layers + decoder_layers),
         cost_model=given(args.cost_model, default_cost_model(has_cuda)),
+        attention_backend=resolve_attention_backend(args.attention_backend, has_cuda,
+                                                    args.attention_dropout),
         lr_decay_iters=given(args.lr_decay_iters, max(args.train_iters, args.lr_warmup_iters)),
         lr_wsd_decay_iters=given(args.lr_wsd_decay_iters, 0))
 

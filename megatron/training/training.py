@@ -26,7 +26,7 @@ from dynapipe_ext.runtime.executor import Executor
 from dynapipe_ext.costs.model_spec import ModelSpec, option_values
 from dynapipe_ext.plan.iteration_planner import (GlobalBatch, IterationPlannerConfig,
                                             choose_auto_layout, pipeline_layout)
-from dynapipe_ext.batching.planners import PlannerConfig
+from dynapipe_ext.batching.planners import ATTENTION_COSTING, PlannerConfig
 from dynapipe_ext.schedule.simulator import CommModel
 from megatron.data.blend import BlendedMultiTaskDataset, parse_data_path, stream_rates
 from megatron.data.multitask_dataset import MultiTaskDataset
@@ -359,7 +359,8 @@ def build_stages(cfg: TrainConfig, spec: ModelSpec, layout: ParallelLayout,
     """This rank's stage modules (stage index -> module), with layout-independent weights."""
     stages = build_rank_stages(spec, stage_to_rank, layout.pp_rank,
                                stage_config(cfg, spec, layout),
-                               tie_embeddings=not cfg.untie_embeddings_and_output_weights)
+                               tie_embeddings=not cfg.untie_embeddings_and_output_weights,
+                               attention_backend=cfg.attention_backend)
     initialize_stage_weights(stages, cfg.seed)
     return {s: m.to(layout.device) for s, m in stages.items()}
 
@@ -391,7 +392,8 @@ def planner_config(cfg: TrainConfig, spec: ModelSpec, dp: int, comm: CommModel |
         # with --packing-window the sampler packed the rows already and emits them in an
         # order from which next-fit rebuilds them (megatron/data/sampler.py)
         packing_algorithm="nextfit" if cfg.packing_window else cfg.packing_algorithm,
-        max_pack_depth=cfg.max_pack_depth, dynamic_layout=cfg.dynamic_layout)
+        max_pack_depth=cfg.max_pack_depth, dynamic_layout=cfg.dynamic_layout,
+        packed_attention=ATTENTION_COSTING[cfg.attention_backend])   # costed as it runs
     return IterationPlannerConfig(
         spec=spec, planner=split, micro_batching=cfg.micro_batching,
         pipeline_schedule=cfg.pipeline_schedule, pp=pp, dp=dp,
@@ -706,8 +708,8 @@ def describe_run(cfg, data: TrainingData, spec: ModelSpec, layout: ParallelLayou
     cut = data.truncation_report()
     print(f"[train] {cfg.model.upper()} {spec.total_layers} layers, hidden {spec.hidden_size}, "
           f"vocab {spec.vocab_size}; TP={layout.tp} PP={layout.pp} DP={layout.dp} on "
-          f"{layout.device.type}; micro-batching {cfg.micro_batching}, schedule "
-          f"{cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
+          f"{layout.device.type}; attention {cfg.attention_backend}; micro-batching "
+          f"{cfg.micro_batching}, schedule {cfg.pipeline_schedule}; {len(data.dataset)} samples, {cut['truncated']} truncated "
           f"to the sequence length; iterations {start}..{cfg.train_iters}", flush=True)
     if spec.pipeline_cut:
         stages = spec.stage_layers(len(spec.pipeline_cut))
