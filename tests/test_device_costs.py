@@ -113,6 +113,44 @@ def test_state_bytes_per_param_count_what_the_optimizer_holds():
     # bf16: weights 2 + fp32 master 4 + fp32 main grads 4 + Adam 8; fp32: 4 + 4 + 8
     assert device_costs.state_bytes_per_param(bf16=True) == 18
     assert device_costs.state_bytes_per_param(bf16=False) == 16
+    # --use-distributed-optimizer: master weights and moments split over DP
+    assert device_costs.state_bytes_per_param(bf16=True, optimizer_shards=8) == 2 + 4 + 12 / 8
+    assert device_costs.state_bytes_per_param(bf16=False, optimizer_shards=4) == 4 + 4 + 2
+
+
+def test_the_distributed_optimizer_frees_memory_the_plan_uses():
+    """A 2.4B-parameter GPT (48 layers, hidden 2048) at PP=2 x DP=8 on 30 GiB devices: 18
+    bytes per parameter of model state leave the planner 6 GiB for activations, so it cuts
+    the batch finer and recomputes; with --use-distributed-optimizer it counts 2 + 4 + 12 / 8
+    bytes per parameter and spends the memory freed on fewer micro-batches without
+    recompute."""
+    plans = {}
+    for flag in ([], ["--use-distributed-optimizer"]):
+        cfg = parse_args_sized("gpt", GPU_GPT + ["--device-memory-gb", "30", "--cost-model",
+                                                 "analytic", "--num-layers", "48",
+                                                 "--hidden-size", "2048"] + flag,
+                               has_cuda=True)
+        spec = model_spec(cfg, 50257)
+        config = planner_config(cfg, spec, dp=8)
+        model = build_cost_model(config.cost_model, spec, config.tp, config.pp)
+        # one replica's share of a global batch: the batch below planned for a single replica
+        one = dataclasses.replace(config, dp=1, planner=dataclasses.replace(
+            config.planner, data_parallel=1))
+        plans[bool(flag)] = (model, plan_iteration(0, flan_like_batch(0), one), one)
+    (plain, plain_plan, _), (sharded, sharded_plan, config) = plans[False], plans[True]
+    assert plain.bytes_per_param_state == 18 and sharded.bytes_per_param_state == 7.5
+    freed = (18 - 7.5) * max(sum(plain.layer_params(k) for k in kinds)
+                             for kinds in config.spec.stage_layers(2))
+    assert sharded.activation_memory_limit(2) - plain.activation_memory_limit(2) == \
+        pytest.approx(freed)
+    plain_mbs = plain_plan.batch_plan.micro_batches
+    sharded_mbs = sharded_plan.batch_plan.micro_batches
+    assert len(sharded_mbs) < len(plain_mbs)
+    assert "full" in {mb.recompute for mb in plain_mbs}
+    assert {mb.recompute for mb in sharded_mbs} == {"none"}
+    # the sharded plan needs more than the unsharded limit: it uses the memory freed
+    assert (micro_batch_needs(config, sharded_plan)
+            > plain_plan.batch_plan.info["memory_limit_bytes"]).any()
 
 
 def test_figures_come_from_flags_else_from_the_device(monkeypatch):

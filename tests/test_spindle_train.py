@@ -64,3 +64,13 @@ def test_load_names_a_missing_checkpoint(tmp_path):
     from megatron.spindle.train import load_checkpoint
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(str(tmp_path), None, {})
+
+
+def test_the_distributed_optimizer_is_refused_naming_why(capsys):
+    from megatron.spindle.train import train
+    with pytest.raises(SystemExit) as exc:
+        train(["--data-path", "unused", "--hidden-size", "32", "--num-attention-heads", "2",
+               "--use-distributed-optimizer"])
+    assert exc.value.code == 2
+    assert ("--use-distributed-optimizer is not supported here: each Spindle component "
+            "steps its own torch Adam") in capsys.readouterr().err

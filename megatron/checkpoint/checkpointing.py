@@ -527,14 +527,15 @@ def save_checkpoint(directory: str, iteration: int, modules, optimizer, sampler_
     index = gather_index(shard_name, [n for n, _ in named] if shard_name else [])
     path = rank_file(directory, iteration, place.rank)
     head = {"version": FORMAT_VERSION, "iteration": iteration}
+    # on every rank: a sharded optimizer (--use-distributed-optimizer) gathers its state
+    optimizer_state = optimizer.sharded_state_dict(place.tp_rank, place.tp)
     failure, digests = None, {}
     try:
         os.makedirs(folder, exist_ok=True)
         if shard_name:
             keep = {n for n, _ in named}
             shards = dict(head, model=local_shards(named, place.tp_rank, place.tp),
-                          optimizer={n: e for n, e in optimizer.sharded_state_dict(
-                              place.tp_rank, place.tp).items() if n in keep})
+                          optimizer={n: e for n, e in optimizer_state.items() if n in keep})
             shard_path = os.path.join(folder, shard_name)
             atomic_write(shard_path, lambda tmp: torch.save(shards, tmp))
             digests[shard_name] = file_digest(shard_path)

@@ -97,13 +97,23 @@ class DeviceFigures:
                 f"{self.flops / 1e12:.3g} TFLOP/s ({src.get('flops', '?')})")
 
 
-def state_bytes_per_param(bf16: bool) -> float:
-    """Model-state bytes per parameter of the optimizer and precision layout we train with
-    (megatron/training/optimizer.py): bf16 weights 2 + fp32 master weights 4 + fp32 main
-    gradients 4 + Adam moments 8 = 18; fp32 runs: weights 4 + gradients 4 + Adam 8 = 16.
-    Data parallelism adds none: it reduces the main-gradient buffer in place, bucket by bucket
-    (grad_buffer.py)."""
-    return float((2 + 4 + 4 + 8) if bf16 else (4 + 4 + 8))
+def state_bytes_per_param(bf16: bool, optimizer_shards: int = 1) -> float:
+    """Model-state bytes per parameter of one rank in the optimizer and precision layout we
+    train with (megatron/training/optimizer.py): bf16 weights 2 + fp32 main gradients 4 +
+    fp32 master weights 4 + Adam moments 8 = 18; fp32 runs: weights 4 + gradients 4 + Adam
+    8 = 16 (the master weight is the parameter). Data parallelism adds none: it reduces the
+    main-gradient buffer in place, bucket by bucket (grad_buffer.py). With
+    --use-distributed-optimizer the master weights and moments are split into
+    `optimizer_shards` (the DP size) equal parts (sharded_optimizer.py; bucket padding, under
+    DP elements per bucket, is left out)."""
+    weights, optimizer = (2, 4 + 8) if bf16 else (4, 8)
+    return float(weights + 4 + optimizer / optimizer_shards)
+
+
+def optimizer_shards(cfg, dp: int) -> int:
+    """Into how many parts the run splits its optimizer state: DP with
+    --use-distributed-optimizer, else 1."""
+    return dp if cfg.use_distributed_optimizer else 1
 
 
 def local_ranks() -> int:
@@ -255,7 +265,7 @@ def cost_model_source(cfg, dp: int, figures: DeviceFigures | None = None,
     run's cached profile (needs the ModelSpec `spec`; ensure_cost_profile makes it), each with
     the device's usable memory and the model-state bytes of our optimizer layout."""
     figures = figures or device_figures(cfg)
-    states = state_bytes_per_param(cfg.bf16)
+    states = state_bytes_per_param(cfg.bf16, optimizer_shards(cfg, dp))
     share = slot_share(cfg)
     slots = {"tp_slot_share": share} if share != 1 else {}    # FlexTP's slot capacity
     if cfg.cost_model == "profile" and spec is None:

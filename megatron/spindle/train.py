@@ -35,6 +35,10 @@ from megatron.spindle.runtime import WaveRuntime
 from megatron.training.arguments import add_flag_group
 
 CHECKPOINT_FORMAT = "megatron-dynapipe-spindle/1"
+SHARDED_OPTIMIZER_REFUSED = (
+    "--use-distributed-optimizer is not supported here: each Spindle component steps its "
+    "own torch Adam on the ranks that hold it, with no data-parallel gradient buffer to "
+    "shard")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "seq_length"],
                    num_layers=dict(default=2, help="layers of the shared backbone"),
                    seq_length=dict(default=64, help="text tokens per sample"))
-    add_flag_group(parser, "optimizer", ["lr", "train_iters", "seed"],
+    add_flag_group(parser, "optimizer", ["lr", "train_iters", "seed",
+                                         "use_distributed_optimizer"],
                    lr=dict(default=1e-3), train_iters=dict(default=10, required=False))
     add_flag_group(parser, "data", ["data_path"])
     add_tokenizer_args(parser)
@@ -118,7 +123,10 @@ def load_checkpoint(root: str, runtime: WaveRuntime, optimizers: dict) -> int:
 def train(argv=None) -> list[float]:
     """Parse flags, plan, build, train; returns the loss of every iteration run here."""
     from megatron.base.distributed_setup import setup_model_parallel
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.use_distributed_optimizer:
+        parser.error(SHARDED_OPTIMIZER_REFUSED)
     setup_model_parallel(1, 1, seed=args.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(args.data_path) != 1:

@@ -19,6 +19,19 @@ stages.StageModule: the tied word embedding, T5's relative-bias tables): over th
 holds, then over that name's group (`tied_group`: stages.replica_groups), Megatron's
 embedding-group all-reduce, so every copy takes the same optimizer step.
 
+Sharded (`shard=True`, --use-distributed-optimizer; ZeRO stage 1/2 as in Megatron's distributed
+optimizer): each bucket is padded to a multiple of the data-parallel size and data-parallel rank r
+owns the r-th equal slice of every bucket (`owned`). Buckets are reduce-scattered instead of
+all-reduced, so only the owned slices hold the sum; the optimizer
+(sharded_optimizer.ShardedOptimizer) keeps fp32 state for those alone. The parameters then live
+in one contiguous buffer of the model's dtype laid out like the gradients (`param_data`), and
+after the step every bucket's owned slice is all-gathered into it (`start_param_gather`). With
+`overlap_param_gather` the gathers are left in flight, launched stage 0 first, and a stage's
+first forward waits only for its own buckets (`before_forward`). Replicated parameters sit in
+buckets of their own that are not reduced early: their copies' gradients are summed first (over
+the copies and `tied_group`), then reduce-scattered, since after a reduce-scatter each copy's
+owned slice covers other elements.
+
 Why not megatron.core.distributed.DistributedDataParallel: in megatron-core 0.16.1 its
 _ParamAndGradBuffer allocates the grad buffer with `device=torch.cuda.current_device()`, so it
 cannot run on CPU / gloo, where this project's tests run; it also wraps one module per model
@@ -54,11 +67,13 @@ class Bucket:
     params: list = field(default_factory=list)
     arrived: set = field(default_factory=set)     # ids of params whose final grad is in
     forced: bool = False                          # stage done: ready whatever arrived
-    work: object = None               # the async all-reduce once launched
+    work: object = None               # the async all-reduce / reduce-scatter once launched
+    deferred: bool = False            # sharded: replicated parameters, reduced in `finish`
+    gather: object = None             # sharded: the async all-gather of updated parameters
 
     @property
     def ready(self) -> bool:
-        return self.forced or len(self.arrived) == len(self.params)
+        return not self.deferred and (self.forced or len(self.arrived) == len(self.params))
 
 
 def backwards_per_stage(instructions: Iterable) -> dict[int, int]:
@@ -72,7 +87,8 @@ class GradBuffer:
     (see the module docstring). `stage_params`: stage index -> that stage's parameters."""
 
     def __init__(self, stage_params: Mapping[int, Sequence[torch.nn.Parameter]], dp_group=None,
-                 bucket_numel: int | None = None, overlap: bool = True, tied_group=None):
+                 bucket_numel: int | None = None, overlap: bool = True, tied_group=None,
+                 shard: bool = False, overlap_param_gather: bool = False):
         order = [(s, p) for s in sorted(stage_params, reverse=True)
                  for p in reversed([p for p in stage_params[s] if p.requires_grad])]
         if not order:
@@ -89,6 +105,10 @@ class GradBuffer:
                              "second optimizer or GradBuffer on the same model?)")
         self.dp_group = dp_group
         self.overlap = overlap
+        self.shard = shard
+        self.overlap_param_gather = overlap_param_gather
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         # copies of each replicated parameter; `tied_group` is {name: group} (a single group
         # is taken for every name: GPT's tied embedding alone)
         self.tied: dict[str, list] = {}
@@ -106,25 +126,84 @@ class GradBuffer:
                 raise ValueError(f"{what} has copies on pipeline ranks {spread}; pass "
                                  "tied_group=stages.replica_groups(...) so their gradients "
                                  "are summed")
-        self.data = torch.zeros(total, dtype=torch.float32, device=order[0][1].device)
-        self.buckets: list[Bucket] = []
+        self.buckets, self.offsets = self._lay_out(order, bucket_numel)
+        # the order of the reductions, the same on every replica: deferred buckets last
+        self._launch_order = sorted(self.buckets, key=lambda b: b.deferred)
+        size = self.buckets[-1].end
+        device = order[0][1].device
+        self.data = torch.zeros(size, dtype=torch.float32, device=device)
+        self.param_data = self._param_buffer(order, size) if shard else None
         self._bucket_of: dict[int, Bucket] = {}
-        offset = 0
-        for stage, param in order:
-            last = self.buckets[-1] if self.buckets else None
-            if last is None or last.stage != stage or last.end - last.start >= bucket_numel:
-                last = Bucket(stage, offset, offset)
-                self.buckets.append(last)
-            param.main_grad = self.data[offset:offset + param.numel()].view_as(param)
-            param.grad_buffer = self          # for accumulate_part
-            offset += param.numel()
-            last.end = offset
-            last.params.append(param)
-            self._bucket_of[id(param)] = last
-            param.register_post_accumulate_grad_hook(self._accumulate)
+        for bucket in self.buckets:
+            for param in bucket.params:
+                offset = self.offsets[id(param)]
+                param.main_grad = self.data[offset:offset + param.numel()].view_as(param)
+                param.grad_buffer = self          # for accumulate_part
+                self._bucket_of[id(param)] = bucket
+                param.register_post_accumulate_grad_hook(self._accumulate)
         self._reset_iteration()
         self._reduced = False                # finish done and no gradient arrived since
         self.last_stats: dict = {}           # what the last `finish` returned
+
+    def _lay_out(self, order, bucket_numel: int) -> tuple[list[Bucket], dict[int, int]]:
+        """Buckets over `order` and each parameter's offset in the buffer. Sharded, a bucket
+        ends padded to a multiple of the data-parallel size, and a replicated parameter gets
+        a deferred bucket of its own."""
+        buckets: list[Bucket] = []
+        offsets: dict[int, int] = {}
+        offset = 0
+        for stage, param in order:
+            last = buckets[-1] if buckets else None
+            alone = self.shard and (getattr(param, "replicated", None) is not None
+                                    or (last is not None and last.deferred))
+            if last is None or last.stage != stage or last.end - last.start >= bucket_numel \
+                    or alone:
+                offset = self._padded(last)
+                last = Bucket(stage, offset, offset, deferred=self.shard and getattr(
+                    param, "replicated", None) is not None)
+                buckets.append(last)
+            offsets[id(param)] = offset
+            offset += param.numel()
+            last.end = offset
+            last.params.append(param)
+        buckets[-1].end = self._padded(buckets[-1])
+        for previous, bucket in zip(buckets, buckets[1:]):
+            previous.end = bucket.start
+        return buckets, offsets
+
+    def _padded(self, bucket: Bucket | None) -> int:
+        """Where the next bucket starts: `bucket`'s end, sharded rounded up to a multiple of
+        the data-parallel size so that every rank owns an equal slice."""
+        if bucket is None:
+            return 0
+        if not self.shard:
+            return bucket.end
+        length = bucket.end - bucket.start
+        return bucket.start + -(-length // self.dp_size) * self.dp_size
+
+    def _param_buffer(self, order, size: int) -> torch.Tensor:
+        """Sharded: one buffer of the model's dtype holding every parameter, laid out like the
+        gradients (the target of the all-gathers); each parameter becomes a view into it."""
+        dtypes = {p.dtype for _, p in order}
+        if len(dtypes) > 1:
+            raise ValueError(f"the distributed optimizer needs one parameter dtype per rank, "
+                             f"got {sorted(str(d) for d in dtypes)}")
+        data = torch.zeros(size, dtype=order[0][1].dtype, device=order[0][1].device)
+        for _, param in order:
+            offset = self.offsets[id(param)]
+            view = data[offset:offset + param.numel()].view_as(param)
+            view.copy_(param.data)
+            param.data = view
+        return data
+
+    def owned(self, bucket: Bucket) -> tuple[int, int]:
+        """[lo, hi) in the buffer: this data-parallel rank's slice of `bucket` (sharded; all of
+        it otherwise)."""
+        if not self.shard:
+            return bucket.start, bucket.end
+        share = (bucket.end - bucket.start) // self.dp_size
+        lo = bucket.start + self.dp_rank * share
+        return lo, lo + share
 
     # ---- per iteration ----
     def _reset_iteration(self) -> None:
@@ -198,34 +277,51 @@ class GradBuffer:
         self._launch_until(lambda b: b.ready)
 
     def _launch_until(self, can_go) -> None:
-        while self._next < len(self.buckets) and can_go(self.buckets[self._next]):
-            bucket = self.buckets[self._next]
-            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-                bucket.work = dist.all_reduce(self.data[bucket.start:bucket.end],
-                                              group=self.dp_group, async_op=True)
+        while self._next < len(self._launch_order) and can_go(self._launch_order[self._next]):
+            bucket = self._launch_order[self._next]
+            if self.dp_size > 1:
+                whole = self.data[bucket.start:bucket.end]
+                if self.shard:
+                    lo, hi = self.owned(bucket)
+                    bucket.work = dist.reduce_scatter_single(
+                        self.data[lo:hi], whole, group=self.dp_group, async_op=True)
+                else:
+                    bucket.work = dist.all_reduce(whole, group=self.dp_group, async_op=True)
             self._next += 1
 
     def finish(self) -> dict:
         """Reduce what is not yet reduced, wait for every bucket; main grads then hold the
-        data-parallel sum. Returns {'launched_early': buckets launched before this call,
-        'buckets': all, 'wait_s': seconds spent here, 'called_at' / 'done_at': wall-clock
+        data-parallel sum (sharded: in the owned slices only; replicated parameters' copies
+        are summed before their deferred buckets are reduce-scattered). Returns
+        {'launched_early': buckets launched before this call, 'buckets': all, 'wait_s': seconds spent here, 'called_at' / 'done_at': wall-clock
         times of the call and of the end}. A second call with no new gradient in between
         reduces nothing again (it would double the sum) and returns the same stats."""
         if self._reduced:
             return self.last_stats
         called_at, start = time.time(), time.perf_counter()
         early = self._next
-        self._launch_until(lambda b: True)
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-        self._sum_tied()
+        self._launch_until(lambda b: not b.deferred)
+        if self.shard:
+            self._wait_reductions()
+            self._sum_tied()
+            self._launch_until(lambda b: True)
+            self._wait_reductions()
+        else:
+            self._launch_until(lambda b: True)
+            self._wait_reductions()
+            self._sum_tied()
         self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
                            "wait_s": time.perf_counter() - start, "called_at": called_at,
                            "done_at": time.time()}
         self._reset_iteration()
         self._reduced = True
         return self.last_stats
+
+    def _wait_reductions(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
 
     def _sum_tied(self) -> None:
         """Every copy of a replicated parameter gets the sum of all its copies' gradients
@@ -245,3 +341,29 @@ class GradBuffer:
     def zero(self) -> None:
         """Clear every main gradient for the next iteration (one fill of the buffer)."""
         self.data.zero_()
+
+    # ---- sharded: the updated parameters back to every data-parallel rank ----
+    def start_param_gather(self) -> None:
+        """All-gather every bucket's owned slice of `param_data` (the optimizer has just
+        written it), stage 0's buckets first: the order the next forwards need them. Without
+        `overlap_param_gather` this waits for them all."""
+        if self.dp_size > 1:
+            for bucket in reversed(self.buckets):
+                lo, hi = self.owned(bucket)
+                bucket.gather = dist.all_gather_single(
+                    self.param_data[bucket.start:bucket.end], self.param_data[lo:hi],
+                    group=self.dp_group, async_op=True)
+        if not self.overlap_param_gather:
+            self.wait_param_gather()
+
+    def wait_param_gather(self, stage: int | None = None) -> None:
+        """Wait for the all-gathers of `stage`'s buckets (every bucket when None)."""
+        for bucket in self.buckets:
+            if bucket.gather is not None and stage in (None, bucket.stage):
+                bucket.gather.wait()
+                bucket.gather = None
+
+    def before_forward(self, stage: int) -> None:
+        """Called just before a Forward of `stage`: its parameters must be the updated ones."""
+        if self.shard:
+            self.wait_param_gather(stage)

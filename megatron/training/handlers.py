@@ -182,6 +182,8 @@ class PipelineRuntime:
     def _forward(self, instr: Forward) -> None:
         key = (instr.mb, instr.stage)
         stage = self._stage(instr)
+        if self.grad_buffer is not None:     # --overlap-param-gather: this stage's weights
+            self.grad_buffer.before_forward(instr.stage)
         started = time.perf_counter()
         batch = self._batch(instr.mb)
         self.batch_wait_s += time.perf_counter() - started

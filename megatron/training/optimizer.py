@@ -112,15 +112,17 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 
 def total_grad_norm(grads, group=None, device=None) -> float:
-    """L2 norm over `grads` (one foreach kernel), all-reduced as a sum of squares over `group`;
-    `device` places the zero of a rank without gradients."""
+    """L2 norm over `grads` (one foreach kernel), all-reduced as a sum of squares over `group`
+    (or over each of a list of groups in turn); `device` places the zero of a rank without
+    gradients."""
     if grads:
         local = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float()
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     total = local.pow(2)
-    if group is not None and dist.is_initialized():
-        dist.all_reduce(total, group=group)
+    for each in (group if isinstance(group, (list, tuple)) else [group]):
+        if each is not None and dist.is_initialized():
+            dist.all_reduce(total, group=each)
     return float(total.sqrt())
 
 
@@ -171,26 +173,40 @@ class TrainOptimizer:
         if missing:
             raise ValueError(f"parameters without a main_grad in the gradient buffer: "
                              f"{missing[:5]}")
-        self.main_params = [(p.detach() if p.dtype == torch.float32
-                             else p.detach().float().clone()).requires_grad_(True)
-                            for p in self.model_params]
-        for m, p in zip(self.main_params, self.model_params):
-            m.grad = p.main_grad
-        # bf16 parameters and their fp32 main copies, for the write-back after each step
-        self._half = [(p, m) for p, m in zip(self.model_params, self.main_params)
-                      if p.dtype != torch.float32]
-        self._grads = [p.main_grad for p in self.model_params]
-        self._norm_grads = [p.main_grad for p in self.model_params
+        self.main_params, grads, decayed = self._main_weights(named)
+        for m, g in zip(self.main_params, grads):
+            m.grad = g
+        self._grads = grads
+        self._norm_grads = [g for (_, p), g in zip(self._owners(named), grads)
                             if counts_toward_norm(p, tp_rank)]
-        decay = [m for (n, p), m in zip(named, self.main_params) if not no_weight_decay(n, p)]
-        plain = [m for (n, p), m in zip(named, self.main_params) if no_weight_decay(n, p)]
+        decay = [m for m, d in zip(self.main_params, decayed) if d]
+        plain = [m for m, d in zip(self.main_params, decayed) if not d]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": plain, "weight_decay": 0.0}]
-        self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                      **adam_kernel(self.model_params[0].device))
+        groups = [g for g in groups if g["params"]]
+        # a data-parallel rank may own nothing but bucket padding (sharded): no AdamW then
+        self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      eps=cfg.adam_eps,
+                                      **adam_kernel(self.model_params[0].device)) \
+            if groups else None
         self.schedule = schedule_settings(cfg)
         self.num_steps = 0      # the scheduler's position: optimizer steps taken so far
+
+    def _main_weights(self, named):
+        """(fp32 main weights, their gradients, whether each is weight-decayed): one per
+        parameter, sharing its storage when it is fp32, else an fp32 copy; and the bf16
+        parameters with their copies (`_half`) for the write-back after each step."""
+        main = [(p.detach() if p.dtype == torch.float32
+                 else p.detach().float().clone()).requires_grad_(True)
+                for p in self.model_params]
+        self._half = [(p, m) for p, m in zip(self.model_params, main)
+                      if p.dtype != torch.float32]
+        return main, [p.main_grad for p in self.model_params], \
+            [not no_weight_decay(n, p) for n, p in named]
+
+    def _owners(self, named):
+        """The (name, parameter) each main weight belongs to, in order."""
+        return named
 
     def lr_at(self, iteration: int) -> float:
         c = self.schedule
@@ -213,18 +229,24 @@ class TrainOptimizer:
         """Wait for the DP reduction, clip, set the LR of `iteration`, step, zero the main
         gradients. Returns grad norm and LR."""
         self.grad_buffer.finish()
-        norm = total_grad_norm(self._norm_grads, self.norm_group, self.grad_buffer.data.device)
+        norm = total_grad_norm(self._norm_grads, self.norm_groups, self.grad_buffer.data.device)
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at iteration {iteration}")
         clip_by_norm(self._grads, norm, self.cfg.clip_grad)
         lr = self.lr_at(iteration)
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        self.adam.step()
+        if self.adam is not None:
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+            self.adam.step()
         self.num_steps = iteration + 1
         self._copy_main_to_model()
         self.zero_grad()
         return {"grad_norm": norm, "lr": lr}
+
+    @property
+    def norm_groups(self) -> list:
+        """The groups the squared gradient norm is summed over."""
+        return [self.norm_group]
 
     def zero_grad(self):
         self.grad_buffer.zero()

@@ -54,6 +54,7 @@ from megatron.training.handlers import (HandlerTable, all_reduce_data_parallel_g
                                         micro_batch_order)
 from megatron.training.grad_buffer import GradBuffer, backwards_per_stage
 from megatron.training.optimizer import TrainOptimizer
+from megatron.training.sharded_optimizer import ShardedOptimizer
 from megatron.planning.plan_delivery import PlanDelivery, start_plan_delivery
 from megatron.training.profiling import IterationProfiler
 from megatron.training.step_timing import StepClock, add_parts
@@ -566,11 +567,18 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
               flush=True)
     tied_group = replica_groups(spec, stage_to_rank, not cfg.untie_embeddings_and_output_weights,
                                 cfg.distributed_timeout_minutes * 60)
-    grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
-                             parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
-                             tied_group=tied_group)
-    optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
-                               parallel_state.get_model_parallel_group(), grad_buffer)
+    dp_group = parallel_state.get_data_parallel_group() if layout.dp > 1 else None
+    grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()}, dp_group,
+                             bucket_numel=cfg.ddp_bucket_size, tied_group=tied_group,
+                             shard=cfg.use_distributed_optimizer,
+                             overlap_param_gather=cfg.overlap_param_gather)
+    if cfg.use_distributed_optimizer:
+        optimizer = ShardedOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
+                                     parallel_state.get_model_parallel_group(), grad_buffer,
+                                     dp_group)
+    else:
+        optimizer = TrainOptimizer(stage_parameters(stages), cfg, layout.tp_rank,
+                                   parallel_state.get_model_parallel_group(), grad_buffer)
     if flextp is not None:
         flextp.optimizer = optimizer       # migration moves its main copies and moments
     start = 0
@@ -784,6 +792,7 @@ def gather_time_parts(history: list[IterationStats]) -> list[dict]:
 
 def save(run: TrainingRun, iterations_done: int, say: bool = True) -> None:
     sampler_state = run.data.sampler.state_dict(run.data.sampler.consumed_before(iterations_done))
+    run.optimizer.grad_buffer.wait_param_gather()     # --overlap-param-gather
     with checkpoint_layout(run.flextp):
         checkpointing.save_checkpoint(run.cfg.save, iterations_done, run.modules,
                                       run.optimizer, sampler_state, run.cfg, run.layout.rank,
@@ -809,6 +818,7 @@ def stop_on_signal(run: TrainingRun, name: str, done: int, saved: bool) -> None:
 
 def evaluate_or_fail(run: TrainingRun, iterations_done: int):
     """Validation after `iterations_done` iterations (ValidationStats), or TrainingFailed."""
+    run.optimizer.grad_buffer.wait_param_gather()     # --overlap-param-gather
     try:
         if run.flextp is not None:     # the whole model, not the resized one
             with run.flextp.all_units():
@@ -851,6 +861,7 @@ def train(run: TrainingRun) -> list[IterationStats]:
                 if name:
                     stop_on_signal(run, name, done, saved)
                     break
+        run.optimizer.grad_buffer.wait_param_gather()     # the weights the run ends with
         profiler.stop(cfg.train_iters)
         run.logger.log_time_parts(gather_time_parts(run.logger.history[1:]
                                                     or run.logger.history))
