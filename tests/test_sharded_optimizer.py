@@ -13,7 +13,7 @@ from test_arguments import parse_or_exit_message
 from test_training import TINY_MODEL, sp_dataset  # noqa: F401 - the fixture
 
 FP32_RTOL = 1e-6
-BF16_RTOL = 2e-2        # test_bf16's tolerance for a bf16 run against another order of sums
+BF16_LOSS_RTOL, BF16_WEIGHT_RTOL = 4e-3, 2e-2     # test_bf16's loss and whole-model bounds
 STEPS = 5
 BUCKET_CAP = 2 ** 12    # several buckets per stage: shards split parameters at bucket edges
 
@@ -67,7 +67,10 @@ def _compare_cases(rank, world_size, cases):
     return results
 
 
-def _assert_equal_runs(results, rtol):
+def _assert_equal_runs(results, rtol, weight_rtol=None):
+    """Losses and norms within `rtol` relative; every weight within `weight_rtol` (default
+    `rtol`) of its parameter's largest magnitude."""
+    weight_rtol = rtol if weight_rtol is None else weight_rtol
     for name, ((losses, norms, weights, *_), (s_losses, s_norms, s_weights, *_)) in \
             results.items():
         assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), name
@@ -77,14 +80,22 @@ def _assert_equal_runs(results, rtol):
         for key, w in weights.items():
             scale = float(abs(w).max()) or 1.0
             diff = float(abs(s_weights[key] - w).max())
-            assert diff <= rtol * scale, f"{name}: {key} differs by {diff} (max |w| {scale})"
+            assert diff <= weight_rtol * scale, \
+                f"{name}: {key} differs by {diff} (max |w| {scale})"
 
 
 def _case_args(sp_dataset, *extra):  # noqa: F811
+    """The tiny GPT without dropout and without linear biases: the key part of the QKV bias
+    has a zero gradient up to rounding noise, which Adam scales up to steps of ~lr, so any
+    other order of sums (another DP size, or clipping's norm summed per shard) moves those
+    elements by ~1e-5 of the bias, with or without the flag (measured at DP=2 with clipping:
+    6.6e-6 of the bias's largest entry, every other weight within 9e-7; without clipping
+    both runs are equal bit for bit)."""
     return sp_dataset + TINY_MODEL + ["--train-iters", str(STEPS), "--seq-length", "128",
                                       "--hidden-dropout", "0", "--attention-dropout", "0",
                                       "--ddp-bucket-size", str(BUCKET_CAP),
-                                      "--num-planner-workers", "0", *extra]
+                                      "--num-planner-workers", "0", "--disable-bias-linear",
+                                      *extra]
 
 
 @pytest.mark.slow
@@ -99,7 +110,8 @@ def test_sharded_steps_equal_unsharded_at_dp2(sp_dataset):  # noqa: F811
     clipped = results[0]["dp2 fp32 clipped"][0][1]
     assert min(clipped) > 0.05         # every step was clipped
     _assert_equal_runs({k: v for k, v in results[0].items() if "fp32" in k}, FP32_RTOL)
-    _assert_equal_runs({k: v for k, v in results[0].items() if "bf16" in k}, BF16_RTOL)
+    _assert_equal_runs({k: v for k, v in results[0].items() if "bf16" in k}, BF16_LOSS_RTOL,
+                       BF16_WEIGHT_RTOL)
 
 
 @pytest.mark.slow
