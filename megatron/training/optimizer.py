@@ -114,12 +114,13 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
 def total_grad_norm(grads, group=None, device=None) -> float:
     """L2 norm over `grads` (one foreach kernel), all-reduced as a sum of squares over `group`
     (or over each of a list of groups in turn); `device` places the zero of a rank without
-    gradients."""
+    gradients. Squares are summed in fp64, so the norm does not depend on how the gradients
+    are split into tensors, shards or ranks (--use-distributed-optimizer clips by the same
+    factor as the whole-parameter optimizer)."""
     if grads:
-        local = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).float()
+        total = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).pow(2).sum()
     else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-    total = local.pow(2)
+        total = torch.zeros((), dtype=torch.float64, device=device)
     for each in (group if isinstance(group, (list, tuple)) else [group]):
         if each is not None and dist.is_initialized():
             dist.all_reduce(total, group=each)
