@@ -157,14 +157,19 @@ def test_pieces_cover_each_bucket_once_per_rank():
     from megatron.training.grad_buffer import GradBuffer
     from megatron.training.sharded_optimizer import owned_pieces
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 17, 3, 40)]
+    params[1].replicated = "tied"      # a replicated parameter gets a bucket of its own
+    values = [p.detach().clone() for p in params]
     buf = GradBuffer({0: params[:2], 1: params[2:]}, bucket_numel=16, shard=True)
+    assert [[p.numel() for p in b.params] for b in buf.buckets] == [[40], [3], [17], [5]]
     pieces = owned_pieces(buf, params)
     covered = {i: 0 for i in range(len(params))}
     for piece in pieces:
         covered[piece.index] += piece.hi - piece.lo
     assert covered == {i: p.numel() for i, p in enumerate(params)}
-    for p in params:      # the weights now live in the parameter buffer, values kept
-        assert p.data.data_ptr() >= buf.param_data.data_ptr()
+    for p, value in zip(params, values):     # the weights now live in the parameter buffer
+        offset = buf.offsets[id(p)]
+        assert p.data_ptr() == buf.param_data[offset:].data_ptr()
+        assert torch.equal(p.detach(), value)
 
 
 @pytest.mark.slow

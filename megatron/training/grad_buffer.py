@@ -19,7 +19,7 @@ stages.StageModule: the tied word embedding, T5's relative-bias tables): over th
 holds, then over that name's group (`tied_group`: stages.replica_groups), Megatron's
 embedding-group all-reduce, so every copy takes the same optimizer step.
 
-Sharded (`shard=True`, --use-distributed-optimizer; ZeRO stage 1/2 as in Megatron's distributed
+Sharded (`shard=True`, --use-distributed-optimizer; ZeRO stage 1, as Megatron's distributed
 optimizer): each bucket is padded to a multiple of the data-parallel size and data-parallel rank r
 owns the r-th equal slice of every bucket (`owned`). Buckets are reduce-scattered instead of
 all-reduced, so only the owned slices hold the sum; the optimizer
@@ -28,9 +28,9 @@ in one contiguous buffer of the model's dtype laid out like the gradients (`para
 after the step every bucket's owned slice is all-gathered into it (`start_param_gather`). With
 `overlap_param_gather` the gathers are left in flight, launched stage 0 first, and a stage's
 first forward waits only for its own buckets (`before_forward`). Replicated parameters sit in
-buckets of their own that are not reduced early: their copies' gradients are summed first (over
-the copies and `tied_group`), then reduce-scattered, since after a reduce-scatter each copy's
-owned slice covers other elements.
+buckets of their own, so every copy's owned slice covers the same elements on every pipeline
+rank of a data-parallel rank; `finish` sums the copies over those slices alone, in the order the
+unsharded buffer sums them (data parallel first, then the copies).
 
 Why not megatron.core.distributed.DistributedDataParallel: in megatron-core 0.16.1 its
 _ParamAndGradBuffer allocates the grad buffer with `device=torch.cuda.current_device()`, so it
@@ -68,12 +68,16 @@ class Bucket:
     arrived: set = field(default_factory=set)     # ids of params whose final grad is in
     forced: bool = False                          # stage done: ready whatever arrived
     work: object = None               # the async all-reduce / reduce-scatter once launched
-    deferred: bool = False            # sharded: replicated parameters, reduced in `finish`
     gather: object = None             # sharded: the async all-gather of updated parameters
 
     @property
     def ready(self) -> bool:
-        return not self.deferred and (self.forced or len(self.arrived) == len(self.params))
+        return self.forced or len(self.arrived) == len(self.params)
+
+
+def is_replicated(param) -> bool:
+    """A parameter with copies whose gradients are summed (stages.StageModule marks them)."""
+    return getattr(param, "replicated", None) is not None
 
 
 def backwards_per_stage(instructions: Iterable) -> dict[int, int]:
@@ -127,8 +131,6 @@ class GradBuffer:
                                  "tied_group=stages.replica_groups(...) so their gradients "
                                  "are summed")
         self.buckets, self.offsets = self._lay_out(order, bucket_numel)
-        # the order of the reductions, the same on every replica: deferred buckets last
-        self._launch_order = sorted(self.buckets, key=lambda b: b.deferred)
         size = self.buckets[-1].end
         device = order[0][1].device
         self.data = torch.zeros(size, dtype=torch.float32, device=device)
@@ -148,19 +150,18 @@ class GradBuffer:
     def _lay_out(self, order, bucket_numel: int) -> tuple[list[Bucket], dict[int, int]]:
         """Buckets over `order` and each parameter's offset in the buffer. Sharded, a bucket
         ends padded to a multiple of the data-parallel size, and a replicated parameter gets
-        a deferred bucket of its own."""
+        a bucket of its own."""
         buckets: list[Bucket] = []
         offsets: dict[int, int] = {}
         offset = 0
         for stage, param in order:
             last = buckets[-1] if buckets else None
-            alone = self.shard and (getattr(param, "replicated", None) is not None
-                                    or (last is not None and last.deferred))
+            alone = self.shard and (is_replicated(param) or
+                                    (last is not None and is_replicated(last.params[0])))
             if last is None or last.stage != stage or last.end - last.start >= bucket_numel \
                     or alone:
                 offset = self._padded(last)
-                last = Bucket(stage, offset, offset, deferred=self.shard and getattr(
-                    param, "replicated", None) is not None)
+                last = Bucket(stage, offset, offset)
                 buckets.append(last)
             offsets[id(param)] = offset
             offset += param.numel()
@@ -277,8 +278,8 @@ class GradBuffer:
         self._launch_until(lambda b: b.ready)
 
     def _launch_until(self, can_go) -> None:
-        while self._next < len(self._launch_order) and can_go(self._launch_order[self._next]):
-            bucket = self._launch_order[self._next]
+        while self._next < len(self.buckets) and can_go(self.buckets[self._next]):
+            bucket = self.buckets[self._next]
             if self.dp_size > 1:
                 whole = self.data[bucket.start:bucket.end]
                 if self.shard:
@@ -291,25 +292,20 @@ class GradBuffer:
 
     def finish(self) -> dict:
         """Reduce what is not yet reduced, wait for every bucket; main grads then hold the
-        data-parallel sum (sharded: in the owned slices only; replicated parameters' copies
-        are summed before their deferred buckets are reduce-scattered). Returns
-        {'launched_early': buckets launched before this call, 'buckets': all, 'wait_s': seconds spent here, 'called_at' / 'done_at': wall-clock
-        times of the call and of the end}. A second call with no new gradient in between
+        data-parallel sum (sharded: in the owned slices only). Returns
+        {'launched_early': buckets launched before this call, 'buckets': all, 'wait_s':
+        seconds spent here, 'called_at' / 'done_at': wall-clock times of the call and of the
+        end}. A second call with no new gradient in between
         reduces nothing again (it would double the sum) and returns the same stats."""
         if self._reduced:
             return self.last_stats
         called_at, start = time.time(), time.perf_counter()
         early = self._next
-        self._launch_until(lambda b: not b.deferred)
-        if self.shard:
-            self._wait_reductions()
-            self._sum_tied()
-            self._launch_until(lambda b: True)
-            self._wait_reductions()
-        else:
-            self._launch_until(lambda b: True)
-            self._wait_reductions()
-            self._sum_tied()
+        self._launch_until(lambda b: True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self._sum_tied()
         self.last_stats = {"launched_early": early, "buckets": len(self.buckets),
                            "wait_s": time.perf_counter() - start, "called_at": called_at,
                            "done_at": time.time()}
@@ -317,26 +313,32 @@ class GradBuffer:
         self._reduced = True
         return self.last_stats
 
-    def _wait_reductions(self) -> None:
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-
     def _sum_tied(self) -> None:
         """Every copy of a replicated parameter gets the sum of all its copies' gradients
-        (names in sorted order: every rank of a group issues its all-reduces alike)."""
+        (names in sorted order: every rank of a group issues its all-reduces alike); sharded,
+        over the owned slice alone, the same elements on every copy."""
         for name in sorted(self.tied):
             params, group = self.tied[name], self.tied_groups.get(name)
             if len(params) < 2 and group is None:
                 continue
-            total = params[0].main_grad.clone()
-            for param in params[1:]:
-                total += param.main_grad
+            grads = [self._reduced_part(param) for param in params]
+            total = grads[0].clone()
+            for grad in grads[1:]:
+                total += grad
             if group is not None:
                 dist.all_reduce(total, group=group)
-            for param in params:
-                param.main_grad.copy_(total)
+            for grad in grads:
+                grad.copy_(total)
+
+    def _reduced_part(self, param) -> torch.Tensor:
+        """The part of `param`'s main gradient that holds the data-parallel sum: all of it, or
+        sharded its owned slice (flattened)."""
+        if not self.shard:
+            return param.main_grad
+        lo, hi = self.owned(self._bucket_of[id(param)])
+        offset = self.offsets[id(param)]
+        return param.main_grad.view(-1)[max(0, lo - offset):max(0, min(hi - offset,
+                                                                    param.numel()))]
 
     def zero(self) -> None:
         """Clear every main gradient for the next iteration (one fill of the buffer)."""
