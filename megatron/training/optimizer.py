@@ -280,6 +280,16 @@ class TrainOptimizer:
             state[name] = entry
         return state
 
+    def saved_state_found(self, shards: dict[str, list[dict]], where: str) -> bool:
+        """Whether `shards` holds state for every parameter (False: for none, a checkpoint
+        saved before any step). ValueError naming `where` when only some have state."""
+        missing = [n for n in self.names if not shards.get(n)]
+        if missing and len(missing) < len(self.names):
+            raise ValueError(f"{where}: no optimizer state for {len(missing)} parameters "
+                             f"({', '.join(missing[:5])}); pass --no-load-optim to start "
+                             f"with a fresh optimizer")
+        return not missing
+
     @torch.no_grad()
     def load_sharded_state_dict(self, shards: dict[str, list[dict]], tp_rank: int,
                                 tp_size: int, where: str) -> None:
@@ -287,12 +297,7 @@ class TrainOptimizer:
         saved entries of parameter `name` (one per TP shard). Main weights come from "main"
         when saved (a bf16 run), else stay those of the model weights just loaded.
         ValueError naming `where` and the parameters that have no saved state."""
-        missing = [n for n in self.names if not shards.get(n)]
-        if missing and len(missing) < len(self.names):
-            raise ValueError(f"{where}: no optimizer state for {len(missing)} parameters "
-                             f"({', '.join(missing[:5])}); pass --no-load-optim to start "
-                             f"with a fresh optimizer")
-        if missing:          # saved before any step: nothing to restore
+        if not self.saved_state_found(shards, where):
             return
         for name, p, m in zip(self.names, self.model_params, self.main_params):
             entries = shards[name]

@@ -154,12 +154,7 @@ class ShardedOptimizer(TrainOptimizer):
         """Restore TrainOptimizer-format state saved at any TP / DP, with or without
         sharding: each piece takes its slice of the whole parameter's saved tensors. No
         collective: every rank reads the whole parameters it holds."""
-        missing = [n for n in self.names if not shards.get(n)]
-        if missing and len(missing) < len(self.names):
-            raise ValueError(f"{where}: no optimizer state for {len(missing)} parameters "
-                             f"({', '.join(missing[:5])}); pass --no-load-optim to start "
-                             f"with a fresh optimizer")
-        if missing:          # saved before any step: nothing to restore
+        if not self.saved_state_found(shards, where):
             return
         with_main = all("main" in e for name in self.names for e in shards[name])
         keys = list(ADAM_MOMENTS) + (["main"] if with_main else [])
