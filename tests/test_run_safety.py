@@ -391,3 +391,26 @@ def test_a_failed_run_never_says_done():
                                   peak_memory_bytes=0))
         logger.close(finished)
         assert ("[train] done: 1 iterations" in stream.getvalue()) == finished
+
+
+def test_validation_says_when_eval_iters_repeat_samples_and_perplexity_is_not_capped(
+        sp_dataset):
+    import math
+    from megatron.training.arguments import parse_args
+    from megatron.training.evaluation import Evaluator
+    from megatron.training.train_logging import ValidationStats, validation_line
+    from megatron.training.training import open_training_data
+    for iters, repeated in (("1", False), ("60", True)):
+        cfg = parse_args("gpt", sp_dataset + RUN + ["--train-iters", "2", "--split", "90,10,0",
+                                                    "--eval-interval", "1", "--eval-iters",
+                                                    iters], has_cuda=False)
+        line = Evaluator.describe(cfg, open_training_data(cfg, part="valid"))
+        assert ("samples repeat)" in line) == repeated, line
+        if repeated:
+            assert "samples, more than the 30 validation samples (--eval-iters past" in line
+
+    def stats(loss):
+        return ValidationStats(iteration=1, loss=loss, loss_tokens=5, samples=1, batches=1,
+                               tasks={}, families={}, eval_s=0.1, plan_s=0.0)
+    assert stats(25.0).ppl == math.exp(25.0)       # was capped at exp(20)
+    assert stats(800.0).ppl == math.inf and "ppl inf" in validation_line(stats(800.0))

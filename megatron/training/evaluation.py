@@ -129,6 +129,17 @@ def held_out_summary(split: str, counts: dict) -> str:
             f"two parts)")
 
 
+def repeats(valid_data, batches: int) -> str:
+    """'; ...' when the first `batches` validation batches draw more samples than the
+    validation set holds (--eval-iters past it: samples repeat), else ''."""
+    drawn = sum(len(valid_data.sample_ids(k)) for k in range(batches))
+    held = len(valid_data.dataset) if valid_data.indices is None else len(valid_data.indices)
+    if drawn <= held:
+        return ""
+    return (f"; the {batches} batches draw {drawn} samples, more than the {held} validation "
+            f"samples (--eval-iters past the validation set: samples repeat)")
+
+
 class Evaluator:
     """Runs validation for a training run (see the module docstring)."""
 
@@ -156,7 +167,7 @@ class Evaluator:
             source = f"--valid-data-path: {len(valid_data.dataset)} samples"
         return (f"[valid] every {cfg.eval_interval} iterations and after the last: "
                 f"{cfg.eval_iters} validation batches of <= {cfg.tokens_per_global_batch} "
-                f"tokens, forward-only plans; {source}")
+                f"tokens, forward-only plans; {source}{repeats(valid_data, cfg.eval_iters)}")
 
     def _make_plans(self, layout) -> list:
         dp, pp = self.config.dp, self.config.pp

@@ -58,7 +58,12 @@ class ValidationStats:
 
     @property
     def ppl(self) -> float:
-        return math.exp(min(20.0, self.loss))     # Megatron caps the exponent at 20
+        """exp(loss), uncapped (Megatron caps the exponent at 20, which hid how bad a loss
+        was); inf past the float range."""
+        try:
+            return math.exp(self.loss)
+        except OverflowError:
+            return math.inf
 
     def record(self) -> dict:
         """The stats-file record: {"iteration": N, "validation": {...}}."""
