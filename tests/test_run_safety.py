@@ -414,3 +414,23 @@ def test_validation_says_when_eval_iters_repeat_samples_and_perplexity_is_not_ca
                                tasks={}, families={}, eval_s=0.1, plan_s=0.0)
     assert stats(25.0).ppl == math.exp(25.0)       # was capped at exp(20)
     assert stats(800.0).ppl == math.inf and "ppl inf" in validation_line(stats(800.0))
+
+
+@pytest.mark.slow
+def test_evaluate_on_a_checkpoint_of_another_padded_vocabulary_is_one_line(sp_dataset,
+                                                                          tmp_path):
+    save = tmp_path / "ckpt"
+    code, out = pretrain(sp_dataset + RUN + ["--train-iters", "1", "--save", str(save)])
+    assert code == 0, out[-3000:]
+    env = dict(env_with_repo(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "tools/evaluate.py", *sp_dataset, *RUN,
+                           "--load", str(save), "--split", "90,10,0", "--eval-iters", "1",
+                           "--make-vocab-size-divisible-by", "600"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert "tools/evaluate.py: error: CheckpointError: " in out
+    assert "word_embeddings.weight: shape (1024, 32), the model needs (1200, 32)" in out
+    assert "--make-vocab-size-divisible-by 512 pads its 1000 tokens to the checkpoint's 1024 " \
+           "rows at TP=1" in out

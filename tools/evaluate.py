@@ -106,6 +106,11 @@ def main(argv=None) -> int:
         else:
             time.sleep(REPORT_GRACE_S)
         return 2
+    except Exception as exc:   # noqa: BLE001 - e.g. a checkpoint that does not fit: one line
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        report_failure(prog, exc, "--debug" in rest, setup=False,
+                       rank=rank if world > 1 else None)
+        return 1
     try:
         stats = evaluate_or_fail(run, 0)
         logits = print_logits(run, own.print_logits, own.logits_top_k) if own.print_logits \
