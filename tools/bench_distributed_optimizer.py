@@ -1,11 +1,12 @@
 """What --use-distributed-optimizer saves and costs: per-rank optimizer state and peak memory at
-DP = 1, 2, 4 with and without the flag, iteration time on and off, and the parameter all-gather
-timed alone (its cost where nothing hides it: a stage whose first forward comes at once).
+DP = 1, 2, 4 with and without the flag, iteration time off, on, and on with
+--overlap-param-gather (DP > 1), and the parameter all-gather timed alone (its cost where
+nothing hides it: a stage whose first forward comes at once).
 
     python tools/bench_distributed_optimizer.py --output docs/bench_distributed_optimizer.json \\
         -- --data-path PREFIX --tokenizer-type SentencePieceTokenizer --tokenizer-model SP ...
 
-Each (DP, flag) is one torchrun launch of this file's `worker` mode (pretrain_gpt.py's trainer,
+Each (DP, mode) is one torchrun launch of this file's `worker` mode (pretrain_gpt.py's trainer,
 --train-iters warm-up + timed iterations); rank 0 of each writes one JSON record. Peak memory on
 CPU is the process's peak resident set (torch, data and planner included), so differences
 between runs are what the flag frees; optimizer state is counted from the optimizer's tensors.
@@ -73,23 +74,39 @@ def worker(job: dict) -> None:
         Path(job["output"]).write_text(json.dumps(record))
 
 
-def launch(dp: int, sharded: bool, flags: list[str], args, work: Path) -> dict:
-    out = work / f"dp{dp}_{'on' if sharded else 'off'}.json"
-    job = {"flags": flags + ["--train-iters", str(args.warmup + args.iters)]
-           + (["--use-distributed-optimizer"] if sharded else []),
+MODES = {"off": [], "on": ["--use-distributed-optimizer"],
+         "on+overlap": ["--use-distributed-optimizer", "--overlap-param-gather"]}
+
+
+def launch(dp: int, mode: str, flags: list[str], args, work: Path) -> dict:
+    out = work / f"dp{dp}_{mode}.json"
+    job = {"flags": flags + ["--train-iters", str(args.warmup + args.iters)] + MODES[mode],
            "warmup": args.warmup, "gather_repeats": args.gather_repeats, "output": str(out)}
-    job_file = work / f"job_dp{dp}_{int(sharded)}.json"
+    job_file = work / f"job_dp{dp}_{mode}.json"
     job_file.write_text(json.dumps(job))
+    port = args.port + 10 * dp + list(MODES).index(mode)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
-           "--master-addr", "127.0.0.1", "--master-port", str(args.port + dp + 10 * sharded),
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
            __file__, "worker", str(job_file)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=args.timeout_minutes * 60)
     if done.returncode != 0:
-        raise SystemExit(f"DP={dp} flag={'on' if sharded else 'off'} failed:\n"
+        raise SystemExit(f"DP={dp} {mode} failed:\n"
                          f"{done.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main(argv=None) -> int:
@@ -113,15 +130,15 @@ def main(argv=None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "commit": commit, "command": " ".join(["python", "tools/bench_distributed_optimizer.py",
                                                    *(argv or sys.argv[1:])]),
-            "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+            "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.platform()}",
             "load": {"before": os.getloadavg()[0]}}
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for dp in args.dp:
-            for sharded in (False, True):
-                runs.append(launch(dp, sharded, flags, args, Path(tmp)))
+            for mode in MODES if dp > 1 else ("off", "on"):
+                runs.append({"mode": mode, **launch(dp, mode, flags, args, Path(tmp))})
                 r = runs[-1]
-                print(f"DP={dp} flag={'on ' if sharded else 'off'}: optimizer state "
+                print(f"DP={dp} {mode}: optimizer state "
                       f"{max(x['optimizer_state_mib'] for x in r['ranks']):.1f} MiB/rank, peak "
                       f"{max(x['peak_memory_mib'] for x in r['ranks']):.0f} MiB, iteration "
                       f"{statistics.median(x['iteration_s_median'] for x in r['ranks']):.3f} s",
