@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpoint.hf_convert import (ConversionError, ModelArgs, fit_vocab, qkv_from_hf,
-                                       qkv_to_hf, read_converted, read_hf)
+from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, padded_spec,
+                                            qkv_from_hf, qkv_to_hf, read_converted, read_hf)
+from dynapipe_ext.costs.model_spec import ModelSpec
 from multiproc import run_in_processes, single_process_world
 from tests.test_training import sp_dataset  # noqa: F401 - a fixture
 
@@ -92,7 +93,7 @@ def test_gpt2_logits_match_transformers_tp1(tmp_path, shape, untie):
     assert ("output_layer.weight" in full) == untie
     torch.set_num_threads(1)
     with single_process_world(seed=3):
-        spec = args.spec()
+        spec = padded_spec(args)
         stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
                                    tie_embeddings=not untie)
         assert load_full_state(stage_parameters(stages), full, 0, 1, "import") == len(
@@ -125,10 +126,10 @@ def parallel_logits_worker(rank, world_size, converted_dir, tokens):
     from megatron.base.distributed_setup import setup_model_parallel
     full, args = read_converted(converted_dir)
     layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
-    spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
+    spec = padded_spec(args, full["embedding.word_embeddings.weight"].shape[0])
     stages = build_rank_stages(spec, (0, 1), layout.pp_rank,
                                build_transformer_config(spec, tp=2, pp=2),
-                               tie_embeddings=not args.untie_embeddings_and_output_weights)
+                               tie_embeddings=args.tied_embeddings)
     load_full_state(stage_parameters(stages), full, layout.tp_rank, 2, converted_dir)
     batch = gpt_batch(tokens)
     pipe = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
@@ -206,9 +207,11 @@ def test_unsupported_gpt2_variant_is_a_clear_error(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_model_args_build_the_spec():
-    args = ModelArgs("gpt", 2, 24, 3, 96, 250, 32)
-    assert args.spec(256).vocab_size == 256 and args.spec().ffn_size == 96
+def test_padded_spec_pads_the_vocabulary_only():
+    args = ModelSpec("gpt", 2, 24, 3, 250, ffn_hidden_size=96, max_position_embeddings=32)
+    padded = padded_spec(args, 256)
+    assert (padded.vocab_size, padded.unpadded_vocab_size) == (256, 250)
+    assert padded_spec(args) == args and padded.ffn_size == 96
 
 
 @pytest.mark.slow
@@ -321,7 +324,7 @@ def head_loss(full, args, samples, tp):
     from megatron.core import parallel_state
     from megatron.training.training import padded_vocab_size
     rows = padded_vocab_size(args.vocab_size, tp)
-    spec = args.spec(rows)
+    spec = padded_spec(args, rows)
     stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec, tp=tp))
     load_full_state(stage_parameters(stages), fit_vocab(full, rows),
                     parallel_state.get_tensor_model_parallel_rank(), tp, "import")

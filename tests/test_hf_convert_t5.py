@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpoint.hf_convert import (ConversionError, pack_per_head, read_converted,
-                                       read_hf, unpack_per_head)
+from megatron.checkpoint.hf_convert import (ConversionError, pack_per_head, padded_spec,
+                                            read_converted, read_hf, unpack_per_head)
 from multiproc import run_in_processes, single_process_world
 from test_hf_convert import TOLERANCE, assert_close_logits, convert
 from test_training import sp_dataset  # noqa: F401  (fixture)
@@ -93,7 +93,7 @@ def test_t5_logits_match_transformers_tp1(tmp_path, shape):
     full, args = read_hf(str(tmp_path / "hf"))
     torch.set_num_threads(1)
     with single_process_world(seed=3):
-        spec = args.spec()
+        spec = padded_spec(args)
         stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec),
                                    tie_embeddings=False)
         assert load_full_state(stage_parameters(stages), full, 0, 1, "import") == len(full)
@@ -130,7 +130,7 @@ def parallel_t5_logits_worker(rank, world_size, converted_dir, enc, dec):
     from megatron.base.distributed_setup import setup_model_parallel
     full, args = read_converted(converted_dir)
     layout = setup_model_parallel(2, 2, seed=3, timeout_s=120)
-    spec = args.spec(full["embedding.word_embeddings.weight"].shape[0])
+    spec = padded_spec(args, full["embedding.word_embeddings.weight"].shape[0])
     stages = build_rank_stages(spec, (0, 1), layout.pp_rank,
                                build_transformer_config(spec, tp=2, pp=2), tie_embeddings=False)
     load_full_state(stage_parameters(stages), full, layout.tp_rank, 2, converted_dir)
@@ -348,7 +348,7 @@ def test_exporting_a_run_needs_the_model_args_of_its_model(tmp_path):
     done = subprocess.run(tool + ["--model-args", str(tmp_path / "other")], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 1 and "holds another model" in done.stderr \
-        and "num_layers 2 (ModelArgs: 1)" in done.stderr, done.stderr
+        and "--num-layers: saved 2, now 1" in done.stderr, done.stderr
     export_run(tmp_path / "run", tmp_path / "ours", tmp_path / "back")
     a = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
     b = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").state_dict()

@@ -1,6 +1,5 @@
-"""Convert Hugging Face GPT-2 and T5 v1.1 / FLAN-T5 checkpoints to this project's model state
-and back
-(megatron/checkpoint/hf_convert.py does the mapping).
+"""Convert Hugging Face GPT-2, T5 v1.1 / FLAN-T5, Llama, Qwen2 and Mistral checkpoints to this
+project's model state and back (megatron/checkpoint/hf_convert.py does the mapping).
 
     # import: a save_pretrained directory on disk -> a directory that training loads
     python tools/convert_checkpoint.py --from-hf /models/gpt2 --to /ckpt/gpt2-import \\
@@ -30,40 +29,12 @@ warnings.filterwarnings(
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
-                                       read_hf, read_source_config, write_converted,
-                                       write_hf)
+                                       read_hf, read_source_config, training_flags,
+                                       write_converted, write_hf)
 from megatron.checkpoint.hf_convert import check_hf_source  # noqa: E402
 from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group  # noqa: E402
 from megatron.checkpoint.checkpointing import CheckpointError, start_over  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
-
-
-def training_flags(args) -> str:
-    """The model flags of pretrain_*.py that build the converted model."""
-    layers = (f"--num-layers {args.num_layers}" if args.model == "gpt" else
-              f"--encoder-num-layers {args.num_layers} "
-              f"--decoder-num-layers {args.decoder_num_layers}")
-    flags = (f"{layers} --hidden-size {args.hidden_size} "
-             f"--num-attention-heads {args.num_attention_heads} "
-             f"--ffn-hidden-size {args.ffn_hidden_size} "
-             f"--max-position-embeddings {args.max_position_embeddings}")
-    if args.untie_embeddings_and_output_weights:
-        flags += " --untie-embeddings-and-output-weights"
-    if args.normalization != "LayerNorm":
-        flags += f" --normalization {args.normalization} --norm-epsilon {args.layernorm_epsilon}"
-    if not args.add_bias_linear:
-        flags += " --disable-bias-linear"
-    if args.gated_linear_unit:
-        flags += " --gated-gelu"
-    if args.softmax_scale is not None:
-        flags += f" --softmax-scale {args.softmax_scale}"
-    if args.kv_channels:
-        flags += f" --kv-channels {args.kv_channels}"
-    if args.position_embedding_type == "relative":
-        flags += (" --position-embedding-type relative --relative-attention-num-buckets "
-                  f"{args.relative_attention_num_buckets} --relative-attention-max-distance "
-                  f"{args.relative_attention_max_distance}")
-    return flags
 
 
 def main(argv=None) -> int:
@@ -88,9 +59,12 @@ def main(argv=None) -> int:
                    help="export: the converted directory whose model_args.json describes the "
                         "model (default: the --to-hf directory); give it to export a training "
                         "run fine-tuned from that import")
-    add_flag_group(p, "model", ["untie_embeddings_and_output_weights"], title="",
+    add_flag_group(p, "model", ["untie_embeddings_and_output_weights", "seq_length"], title="",
                    untie_embeddings_and_output_weights=dict(
-                       help="import: give the output layer its own copy of the embedding"))
+                       help="import: give the output layer its own copy of the embedding"),
+                   seq_length=dict(help="import: the longest sequence the run will train on; "
+                                        "a Mistral / Qwen2 sliding window must cover it "
+                                        "(default: the config's max_position_embeddings)"))
     a = p.parse_args(argv)
     if a.make_vocab_size_divisible_by < 1 or a.target_tensor_parallel_size < 1:
         p.error("--make-vocab-size-divisible-by and --target-tensor-parallel-size must be >= 1")
@@ -106,7 +80,8 @@ def main(argv=None) -> int:
     try:
         if a.from_hf:
             check_hf_source(a.from_hf)
-            full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights)
+            full, args = read_hf(a.from_hf, untie=a.untie_embeddings_and_output_weights,
+                                 seq_length=a.seq_length)
             rows = padded_vocab_size(args.vocab_size, a.target_tensor_parallel_size,
                                      a.make_vocab_size_divisible_by)
             with open(os.path.join(a.from_hf, "config.json")) as f:

@@ -2,7 +2,7 @@
 
 A full state is {global parameter name (stages.StageModule.global_name): full tensor}
 (full_state.py); `load_full_state` slices it for any TP rank. The functions here are pure
-renames and reshapes of tensors, both ways, plus the model shape a state needs (`ModelArgs`):
+renames and reshapes of tensors, both ways, plus the model shape a state needs (`ModelSpec`):
 
 * GPT2LMHeadModel: HF's Conv1D stores weights as [in, out], megatron-core's linears as
   [out, in], so every matrix is transposed. HF's fused c_attn output is [q of all heads,
@@ -19,6 +19,19 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   is ours too (the decoder embedding is the encoder's); lm_head is the untied output layer,
   written on export with a config that says untied (t5_model).
 
+* LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (RMSNorm, SwiGLU, rotary positions,
+  grouped-query attention, no linear biases but Qwen2's on q/k/v, tied or untied head): the
+  model is a ModelSpec whose options are read from the config through each option's `hf` key
+  (model_spec.MODEL_OPTIONS, the one declaration of a model's identity) and written back the
+  same way; what a family fixes is DECODER_OPTIONS. HF's separate q, k, v (weights and biases)
+  are packed per query group into linear_qkv ([q heads of group g, k_g, v_g]); gate_proj and
+  up_proj are the two halves of linear_fc1. A sliding window shorter than the sequence is
+  refused (attention here sees every earlier position of a sample).
+
+A converted model is described by its ModelSpec (vocab_size: the checkpoint's vocabulary),
+written as model_args.json (spec_record) beside the checkpoint; its training flags
+(training_flags) and its checkpoint identity (flag_values) are derived from the same options.
+
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
 rows the way Megatron's converters do (copies of the last row) and `*_from_full_state` drops
@@ -27,11 +40,12 @@ Export keeps the non-weight fields of the imported config.json (SOURCE_CONFIG_FI
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from typing import Mapping
 
 import torch
 
+from dynapipe_ext.costs.model_spec import MODEL_OPTIONS, ROPE_SCALING, ModelSpec, option_arg
 from megatron.model.stages import TIED_EMBEDDING
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
@@ -39,55 +53,13 @@ VOCAB_ROWS = (TIED_EMBEDDING, "output_layer.weight",
               "decoder_embedding.word_embeddings.weight")
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """What a converted state needs from the model built to hold it (the training flags of the
-    same names: --num-layers, --hidden-size, ...)."""
-
-    model: str                     # "gpt" or "t5"
-    num_layers: int                # GPT layers / T5 encoder layers
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    vocab_size: int                # the checkpoint's vocabulary (before padding)
-    max_position_embeddings: int
-    decoder_num_layers: int = 0
-    untie_embeddings_and_output_weights: bool = False
-    # layer options (ModelSpec fields of the same names; GPT-2 keeps the defaults)
-    normalization: str = "LayerNorm"
-    layernorm_epsilon: float = 1e-5
-    add_bias_linear: bool = True
-    gated_linear_unit: bool = False
-    softmax_scale: float | None = None
-    position_embedding_type: str = "learned_absolute"
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    kv_channels: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def spec(self, vocab_rows: int | None = None):
-        """The ModelSpec of this model with `vocab_rows` (default: the unpadded vocabulary)."""
-        from dynapipe_ext.costs.model_spec import ModelSpec
-        return ModelSpec(model=self.model, num_layers=self.num_layers,
-                         hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads,
-                         vocab_size=vocab_rows or self.vocab_size,
-                         unpadded_vocab_size=self.vocab_size,
-                         num_decoder_layers=self.decoder_num_layers,
-                         ffn_hidden_size=self.ffn_hidden_size,
-                         max_position_embeddings=self.max_position_embeddings,
-                         normalization=self.normalization,
-                         layernorm_epsilon=self.layernorm_epsilon,
-                         add_bias_linear=self.add_bias_linear,
-                         gated_linear_unit=self.gated_linear_unit,
-                         softmax_scale=self.softmax_scale,
-                         position_embedding_type=self.position_embedding_type,
-                         relative_attention_num_buckets=self.relative_attention_num_buckets,
-                         relative_attention_max_distance=self.relative_attention_max_distance,
-                         kv_channels=self.kv_channels,
-                         tied_embeddings=not self.untie_embeddings_and_output_weights)
+def padded_spec(spec: ModelSpec, vocab_rows: int | None = None) -> ModelSpec:
+    """The model of a converted state (`spec`: its vocab_size the checkpoint's vocabulary)
+    with `vocab_rows` embedding rows (default: the vocabulary), the rows past the vocabulary
+    belonging to no token, as a training run pads it."""
+    if not vocab_rows or vocab_rows == spec.vocab_size:
+        return spec
+    return replace(spec, vocab_size=vocab_rows, unpadded_vocab_size=spec.vocab_size)
 
 
 class ConversionError(ValueError):
@@ -144,8 +116,8 @@ def qkv_to_hf(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- GPT-2
 
-def gpt2_args(config) -> ModelArgs:
-    """ModelArgs of a transformers GPT2Config; ConversionError for GPT-2 variants the
+def gpt2_args(config) -> ModelSpec:
+    """ModelSpec of a transformers GPT2Config; ConversionError for GPT-2 variants the
     megatron-core layers do not compute."""
     problems = []
     if config.activation_function not in GELU_TANH:
@@ -159,10 +131,11 @@ def gpt2_args(config) -> ModelArgs:
         problems.append(f"layer_norm_epsilon {config.layer_norm_epsilon} (the model uses 1e-5)")
     if problems:
         raise ConversionError("GPT-2 config: " + "; ".join(problems))
-    return ModelArgs(model="gpt", num_layers=config.n_layer, hidden_size=config.n_embd,
+    return ModelSpec(model="gpt", num_layers=config.n_layer, hidden_size=config.n_embd,
                      num_attention_heads=config.n_head,
                      ffn_hidden_size=config.n_inner or 4 * config.n_embd,
-                     vocab_size=config.vocab_size, max_position_embeddings=config.n_positions)
+                     vocab_size=config.vocab_size, max_position_embeddings=config.n_positions,
+                     tied_embeddings=True)
 
 
 def _gpt2_layer_pairs(i: int) -> list[tuple[str, str, str]]:
@@ -182,7 +155,7 @@ def _gpt2_layer_pairs(i: int) -> list[tuple[str, str, str]]:
             (hf + "mlp.c_proj.bias", ours + "mlp.linear_fc2.bias", "copy")]
 
 
-def _gpt2_pairs(args: ModelArgs) -> list[tuple[str, str, str]]:
+def _gpt2_pairs(args: ModelSpec) -> list[tuple[str, str, str]]:
     pairs = [("transformer.wte.weight", TIED_EMBEDDING, "copy"),
              ("transformer.wpe.weight", "embedding.position_embeddings.weight", "copy")]
     for i in range(args.num_layers):
@@ -213,33 +186,33 @@ def _take(hf_state: Mapping[str, torch.Tensor], name: str, where: str) -> torch.
     return hf_state[name]
 
 
-def full_state_from_gpt2(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
+def full_state_from_gpt2(hf_state: Mapping[str, torch.Tensor], args: ModelSpec,
                          where: str = "GPT-2 checkpoint") -> dict[str, torch.Tensor]:
     """Full state of our GPT from a GPT2LMHeadModel state dict (fp32, contiguous). With
-    `args.untie_embeddings_and_output_weights` the output layer is the checkpoint's own
+    an untied `args` (tied_embeddings False) the output layer is the checkpoint's own
     lm_head (tie_word_embeddings false) or a copy of the tied embedding."""
     full = {ours: _conv1d_qkv_from_hf(_take(hf_state, hf, where).float(), how,
                                       args.num_attention_heads).contiguous()
             for hf, ours, how in _gpt2_pairs(args)}
     head = hf_state.get("lm_head.weight")
     untied = head is not None and not torch.equal(head, hf_state["transformer.wte.weight"])
-    if untied and not args.untie_embeddings_and_output_weights:
+    if untied and args.tied_embeddings:
         raise ConversionError(f"{where}: lm_head.weight differs from transformer.wte.weight; "
                               "import it with --untie-embeddings-and-output-weights")
-    if args.untie_embeddings_and_output_weights:
+    if not args.tied_embeddings:
         full["output_layer.weight"] = (head.float().contiguous() if untied
                                        else full[TIED_EMBEDDING].clone())
     return full
 
 
-def gpt2_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
+def gpt2_from_full_state(full: Mapping[str, torch.Tensor], args: ModelSpec,
                          where: str = "full state") -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel state dict from our GPT's full state, with lm_head.weight when the
     output layer is untied; padded vocabulary rows are dropped."""
     hf = {hf: _conv1d_qkv_to_hf(_take(full, ours, where), how,
                                 args.num_attention_heads).contiguous()
           for hf, ours, how in _gpt2_pairs(args)}
-    if args.untie_embeddings_and_output_weights:
+    if not args.tied_embeddings:
         hf["lm_head.weight"] = _take(full, "output_layer.weight", where)
     for name in ("transformer.wte.weight", "lm_head.weight"):
         if name in hf:
@@ -247,17 +220,17 @@ def gpt2_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
     return hf
 
 
-def gpt2_config(args: ModelArgs, source: Mapping | None = None):
+def gpt2_config(args: ModelSpec, source: Mapping | None = None):
     """transformers GPT2Config for a model of `args`; the fields that do not change the
     function (dropout, token ids, ...) are those of `source` (a config.json's dict) if given."""
     from transformers import GPT2Config
     fields = dict(vocab_size=args.vocab_size, n_positions=args.max_position_embeddings,
                   n_embd=args.hidden_size, n_layer=args.num_layers,
-                  n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
+                  n_head=args.num_attention_heads, n_inner=args.ffn_size,
                   activation_function="gelu_new", layer_norm_epsilon=1e-5,
                   scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                   reorder_and_upcast_attn=False,
-                  tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+                  tie_word_embeddings=args.tied_embeddings)
     return GPT2Config.from_dict({**_kept_fields(source, "gpt2"), **fields})
 
 
@@ -272,8 +245,8 @@ def _kept_fields(source: Mapping | None, model_type: str) -> dict:
 
 # ---------------------------------------------------------------- T5 v1.1 / FLAN-T5
 
-def t5_args(config) -> ModelArgs:
-    """ModelArgs of a transformers T5Config (T5 v1.1 / FLAN-T5); ConversionError for T5
+def t5_args(config) -> ModelSpec:
+    """ModelSpec of a transformers T5Config (T5 v1.1 / FLAN-T5); ConversionError for T5
     variants the megatron-core layers do not compute (the original T5's ReLU MLP and its
     tied, rescaled lm_head)."""
     problems = []
@@ -287,12 +260,12 @@ def t5_args(config) -> ModelArgs:
     if problems:
         raise ConversionError("T5 config: " + "; ".join(problems))
     decoder_layers = config.num_decoder_layers or config.num_layers
-    return ModelArgs(model="t5", num_layers=config.num_layers, hidden_size=config.d_model,
+    return ModelSpec(model="t5", num_layers=config.num_layers, hidden_size=config.d_model,
                      num_attention_heads=config.num_heads, ffn_hidden_size=config.d_ff,
                      vocab_size=config.vocab_size,
                      max_position_embeddings=getattr(config, "n_positions", 512),
-                     decoder_num_layers=decoder_layers,
-                     untie_embeddings_and_output_weights=True, normalization="RMSNorm",
+                     num_decoder_layers=decoder_layers,
+                     tied_embeddings=False, normalization="RMSNorm",
                      layernorm_epsilon=config.layer_norm_epsilon, add_bias_linear=False,
                      gated_linear_unit=True, softmax_scale=1.0,
                      position_embedding_type="relative",
@@ -302,25 +275,29 @@ def t5_args(config) -> ModelArgs:
 
 
 def pack_per_head(tensors: list[torch.Tensor], heads: int) -> torch.Tensor:
-    """HF's separate projections [q], [k], [v] (rows = heads x d) -> megatron-core's rows
-    grouped per head [q_h, k_h, v_h] (or [k_h, v_h] for cross-attention's linear_kv)."""
-    d = tensors[0].shape[0] // heads
-    stacked = torch.stack([t.reshape(heads, d, *t.shape[1:]) for t in tensors], dim=1)
-    return stacked.reshape(len(tensors) * heads * d, *tensors[0].shape[1:])
+    """HF's separate projections [q], [k], [v] -> megatron-core's rows grouped per head, or per
+    query group under grouped-query attention (`heads` = groups: q's heads of a group, then its
+    k and v head): [q_g, k_g, v_g] for each g (or [k_h, v_h] for cross-attention's linear_kv).
+    Works on weights [rows, in] and biases [rows]."""
+    rest = tensors[0].shape[1:]
+    grouped = torch.cat([t.reshape(heads, -1, *rest) for t in tensors], dim=1)
+    return grouped.reshape(-1, *rest)
 
 
-def unpack_per_head(tensor: torch.Tensor, parts: int, heads: int) -> list[torch.Tensor]:
-    """Inverse of pack_per_head."""
-    d = tensor.shape[0] // (parts * heads)
-    grouped = tensor.reshape(heads, parts, d, *tensor.shape[1:])
-    return [grouped[:, i].reshape(heads * d, *tensor.shape[1:]) for i in range(parts)]
+def unpack_per_head(tensor: torch.Tensor, parts: int, heads: int,
+                    rows: list[int] | None = None) -> list[torch.Tensor]:
+    """Inverse of pack_per_head; `rows`: each part's rows per group (default: equal parts)."""
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(heads, -1, *rest)
+    rows = rows or [grouped.shape[1] // parts] * parts
+    return [p.reshape(-1, *rest) for p in torch.split(grouped, rows, dim=1)]
 
 
 def _t5_layer(i: int, stack: str) -> tuple[str, str]:
     return f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
 
 
-def _t5_pairs(args: ModelArgs) -> list[tuple[str, str]]:
+def _t5_pairs(args: ModelSpec) -> list[tuple[str, str]]:
     """(HF name, our name) of the T5 tensors that map one to one."""
     pairs = [("shared.weight", TIED_EMBEDDING), ("lm_head.weight", "output_layer.weight"),
              ("encoder.final_layer_norm.weight", "encoder_norm.weight"),
@@ -334,7 +311,7 @@ def _t5_pairs(args: ModelArgs) -> list[tuple[str, str]]:
                   (hf + "0.SelfAttention.o.weight", ours + "self_attention.linear_proj.weight"),
                   (hf + "1.layer_norm.weight", ours + "pre_mlp_layernorm.weight"),
                   (hf + "1.DenseReluDense.wo.weight", ours + "mlp.linear_fc2.weight")]
-    for i in range(args.decoder_num_layers):
+    for i in range(args.num_decoder_layers):
         hf, ours = _t5_layer(i, "decoder")
         pairs += [(hf + "0.layer_norm.weight", ours + "input_layernorm.weight"),
                   (hf + "0.SelfAttention.o.weight", ours + "self_attention.linear_proj.weight"),
@@ -347,12 +324,12 @@ def _t5_pairs(args: ModelArgs) -> list[tuple[str, str]]:
     return pairs
 
 
-def _t5_packed(args: ModelArgs) -> list[tuple[list[str], str]]:
+def _t5_packed(args: ModelSpec) -> list[tuple[list[str], str]]:
     """([HF names], our name) of the tensors packed from several HF ones: self-attention
     q, k, v; cross-attention k, v (per head); the gated MLP's wi_0, wi_1 (halves)."""
     packed = []
     for stack, layers, mlp in (("encoder", args.num_layers, "1"),
-                               ("decoder", args.decoder_num_layers, "2")):
+                               ("decoder", args.num_decoder_layers, "2")):
         for i in range(layers):
             hf, ours = _t5_layer(i, stack)
             packed.append(([hf + f"0.SelfAttention.{x}.weight" for x in "qkv"],
@@ -365,7 +342,7 @@ def _t5_packed(args: ModelArgs) -> list[tuple[list[str], str]]:
     return packed
 
 
-def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
+def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelSpec,
                        where: str = "T5 checkpoint") -> dict[str, torch.Tensor]:
     """Full state of our T5 from a T5ForConditionalGeneration state dict (fp32, contiguous)."""
     heads = args.num_attention_heads
@@ -378,12 +355,12 @@ def full_state_from_t5(hf_state: Mapping[str, torch.Tensor], args: ModelArgs,
     return full
 
 
-def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelArgs,
+def t5_from_full_state(full: Mapping[str, torch.Tensor], args: ModelSpec,
                        where: str = "full state") -> dict[str, torch.Tensor]:
     """T5ForConditionalGeneration state dict from our T5's full state (padded vocabulary rows
     dropped)."""
     heads = args.num_attention_heads
-    if not args.untie_embeddings_and_output_weights:     # a tied T5: its head is the embedding
+    if args.tied_embeddings:     # a tied T5: its head is the embedding
         full = {**full, "output_layer.weight": _take(full, TIED_EMBEDDING, where)}
     hf = {name: _take(full, ours, where).contiguous() for name, ours in _t5_pairs(args)}
     for names, ours in _t5_packed(args):
@@ -409,7 +386,7 @@ def t5_model(config):
     return model
 
 
-def t5_config(args: ModelArgs, source: Mapping | None = None):
+def t5_config(args: ModelSpec, source: Mapping | None = None):
     """transformers T5Config (T5 v1.1 / FLAN-T5 style: untied, unscaled head) for a model of
     `args`; the fields that do not change the function (dropout, token ids, ...) are those of
     `source` (a config.json's dict) if given."""
@@ -419,8 +396,8 @@ def t5_config(args: ModelArgs, source: Mapping | None = None):
                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     fields = dict(vocab_size=args.vocab_size, d_model=args.hidden_size,
                   d_kv=args.kv_channels or args.hidden_size // args.num_attention_heads,
-                  d_ff=args.ffn_hidden_size, num_layers=args.num_layers,
-                  num_decoder_layers=args.decoder_num_layers,
+                  d_ff=args.ffn_size, num_layers=args.num_layers,
+                  num_decoder_layers=args.num_decoder_layers,
                   num_heads=args.num_attention_heads,
                   relative_attention_num_buckets=args.relative_attention_num_buckets,
                   relative_attention_max_distance=args.relative_attention_max_distance,
@@ -429,6 +406,212 @@ def t5_config(args: ModelArgs, source: Mapping | None = None):
     config = T5Config.from_dict({**defaults, **_kept_fields(source, "t5"), **fields})
     config.tie_word_embeddings = False       # transformers >= 5 sets True in __init__
     return config
+
+
+# ---------------------------------------------------------------- Llama / Qwen2 / Mistral
+
+# The layer options these families fix (Megatron-LM's flags for them: --normalization RMSNorm
+# --disable-bias-linear --swiglu --position-embedding-type rope); Qwen2 adds q/k/v biases.
+DECODER_OPTIONS = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True,
+                       position_embedding_type="rope")
+LLAMA3_ROPE = "llama3"     # HF rope_type of Llama 3.1's frequency scaling (--use-rope-scaling)
+DEFAULT_ROPE = "default"
+
+
+def is_hf_decoder(spec: ModelSpec) -> bool:
+    """Whether `spec` is a model of the Llama / Qwen2 / Mistral families (rotary, SwiGLU)."""
+    return spec.model == "gpt" and spec.position_embedding_type == "rope"
+
+
+def _hf_value(config: Mapping, key: str):
+    """config[key], or config[a][b] for key "a.b"; None where it is not set."""
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a Mistral / Qwen2 config, None where every layer attends to all
+    earlier positions."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+def decoder_spec(config, seq_length: int | None = None) -> ModelSpec:
+    """ModelSpec of a transformers Llama / Qwen2 / Mistral config: the options whose `hf` key
+    (model_spec.MODEL_OPTIONS) the config sets, plus what the family fixes (DECODER_OPTIONS;
+    Qwen2's q/k/v biases; Llama 3.1 rope scaling). ConversionError, naming every field, for a
+    variant the layers here do not compute, and for a sliding window shorter than
+    `seq_length` (default: max_position_embeddings)."""
+    fields = config.to_dict()       # rotary fields in transformers' `rope_parameters` form
+    kind = (fields.get("rope_parameters") or {}).get("rope_type", DEFAULT_ROPE)
+    qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+    problems = []
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU needs 'silu')")
+    if config.model_type == "llama" and getattr(config, "attention_bias", False):
+        problems.append("attention_bias true (a bias on o_proj too; only q/k/v biases, "
+                        "Qwen2's, are supported)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("mlp_bias true (the MLP has no biases here)")
+    if kind not in (DEFAULT_ROPE, LLAMA3_ROPE):
+        problems.append(f"rope_scaling of rope_type {kind!r} (only Llama 3.1's "
+                        f"{LLAMA3_ROPE!r} is supported)")
+    window = sliding_window(config)
+    longest = seq_length or config.max_position_embeddings
+    if window is not None and window < longest:
+        problems.append(f"sliding_window {window} is shorter than "
+                        f"{'--seq-length' if seq_length else 'max_position_embeddings'} "
+                        f"{longest} (attention beyond the window is not computed here); "
+                        f"import with --seq-length {window} or less and train no longer")
+    if problems:
+        raise ConversionError(f"{type(config).__name__}: " + "; ".join(problems))
+    options = {f.name: _hf_value(fields, f.metadata["hf"]) for f in MODEL_OPTIONS
+               if f.metadata["hf"]}
+    options = {name: value for name, value in options.items() if value is not None}
+    if options.get("kv_channels") == config.hidden_size // config.num_attention_heads:
+        options["kv_channels"] = 0                     # hidden / heads, the default
+    return ModelSpec(**{**options, **DECODER_OPTIONS}, model="gpt", add_qkv_bias=qkv_bias,
+                     use_rope_scaling=kind == LLAMA3_ROPE, vocab_size=config.vocab_size)
+
+
+def decoder_config_fields(spec: ModelSpec) -> dict:
+    """config.json fields of a model of `spec`: each option's `hf` key ("a.b": key b of dict
+    a), valued as megatron-core reads it (`core_from`: e.g. head_dim for kv_channels 0); the
+    scaling fields only with --use-rope-scaling, the partial rotary factor only below 1 and
+    head_dim only where it is not hidden / heads (the configs' own defaults)."""
+    rope_type = LLAMA3_ROPE if spec.use_rope_scaling else DEFAULT_ROPE
+    fields: dict = {"vocab_size": spec.vocab_size, "hidden_act": "silu",
+                    "rope_parameters": {"rope_type": rope_type}}
+    for f in MODEL_OPTIONS:
+        key = f.metadata["hf"]
+        if not key or (f.name in ROPE_SCALING and not spec.use_rope_scaling) \
+                or (f.name == "rotary_percent" and spec.rotary_percent == 1.0) \
+                or (f.name == "kv_channels" and not spec.kv_channels):
+            continue
+        value = getattr(spec, f.metadata["core_from"] or f.name)
+        outer, _, inner = key.rpartition(".")
+        (fields.setdefault(outer, {}) if outer else fields)[inner] = value
+    return fields
+
+
+def _decoder_layer(i: int) -> tuple[str, str]:
+    return f"model.layers.{i}.", f"decoder.layers.{i}."
+
+
+def _decoder_pairs(spec: ModelSpec) -> list[tuple[str, str]]:
+    """(HF name, our name) of the tensors that map one to one."""
+    pairs = [("model.embed_tokens.weight", TIED_EMBEDDING), ("model.norm.weight",
+                                                             "final_norm.weight")]
+    if not spec.tied_embeddings:
+        pairs.append(("lm_head.weight", "output_layer.weight"))
+    for i in range(spec.num_layers):
+        hf, ours = _decoder_layer(i)
+        pairs += [(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
+                  (hf + "self_attn.o_proj.weight", ours + "self_attention.linear_proj.weight"),
+                  (hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
+                  (hf + "mlp.down_proj.weight", ours + "mlp.linear_fc2.weight")]
+    return pairs
+
+
+def _decoder_packed(spec: ModelSpec) -> list[tuple[list[str], str]]:
+    """([HF names], our name) of the tensors packed from several: q, k, v (weights, and
+    biases with --add-qkv-bias) per query group into linear_qkv; gate and up as the halves
+    of linear_fc1."""
+    packed = []
+    for i in range(spec.num_layers):
+        hf, ours = _decoder_layer(i)
+        kinds = ("weight", "bias") if spec.add_qkv_bias else ("weight",)
+        packed += [([hf + f"self_attn.{x}_proj.{kind}" for x in "qkv"],
+                    ours + f"self_attention.linear_qkv.{kind}") for kind in kinds]
+        packed.append(([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+                       ours + "mlp.linear_fc1.weight"))
+    return packed
+
+
+def _qkv_rows(spec: ModelSpec) -> list[int]:
+    """Rows of q, k and v per query group."""
+    d = spec.head_dim
+    return [spec.num_attention_heads // spec.query_groups * d, d, d]
+
+
+def full_state_from_decoder(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec,
+                            where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Full state of our GPT from a Llama / Qwen2 / Mistral ...ForCausalLM state dict (fp32,
+    contiguous). An untied `spec` takes the checkpoint's lm_head, or a copy of the embedding
+    where the checkpoint ties them; a tied one refuses a checkpoint whose lm_head differs."""
+    head = hf_state.get("lm_head.weight")
+    embedding = _take(hf_state, "model.embed_tokens.weight", where)
+    if spec.tied_embeddings and head is not None and not torch.equal(head, embedding):
+        raise ConversionError(f"{where}: lm_head.weight differs from "
+                              "model.embed_tokens.weight; import it with "
+                              "--untie-embeddings-and-output-weights")
+    if not spec.tied_embeddings and head is None:
+        hf_state = {**hf_state, "lm_head.weight": embedding}
+    full = {ours: _take(hf_state, hf, where).float().contiguous()
+            for hf, ours in _decoder_pairs(spec)}
+    for names, ours in _decoder_packed(spec):
+        tensors = [_take(hf_state, n, where).float() for n in names]
+        full[ours] = (torch.cat(tensors) if ours.endswith("linear_fc1.weight")
+                      else pack_per_head(tensors, spec.query_groups)).contiguous()
+    return full
+
+
+def decoder_from_full_state(full: Mapping[str, torch.Tensor], spec: ModelSpec,
+                            where: str = "full state") -> dict[str, torch.Tensor]:
+    """...ForCausalLM state dict from our GPT's full state (padded vocabulary rows dropped;
+    lm_head.weight only when untied)."""
+    hf = {name: _take(full, ours, where).contiguous() for name, ours in _decoder_pairs(spec)}
+    for names, ours in _decoder_packed(spec):
+        tensor = _take(full, ours, where)
+        parts = (torch.chunk(tensor, 2) if ours.endswith("linear_fc1.weight")
+                 else unpack_per_head(tensor, 3, spec.query_groups, _qkv_rows(spec)))
+        hf.update({n: p.contiguous() for n, p in zip(names, parts)})
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in hf:
+            hf[name] = hf[name][:spec.vocab_size].contiguous()
+    return hf
+
+
+def decoder_config(spec: ModelSpec, source: Mapping | None = None):
+    """The transformers config of a model of `spec`: the family of `source` (a config.json
+    dict; default Qwen2 with q/k/v biases, else Llama) with its fields that do not change the function (token ids,
+    dropout, ...) kept, and `spec`'s (decoder_config_fields) over them."""
+    from transformers import AutoConfig
+    model_type = (source or {}).get("model_type")
+    if model_type not in HF_DECODERS:
+        model_type = "qwen2" if spec.add_qkv_bias else "llama"
+    if spec.add_qkv_bias and model_type != "qwen2":
+        raise ConversionError(f"--add-qkv-bias: a {model_type} config has no q/k/v-only "
+                              "biases (Qwen2's have)")
+    kept = {k: v for k, v in _kept_fields(source, model_type).items()
+            if k not in ("model_type", "rope_parameters", "rope_theta", "rope_scaling",
+                         "partial_rotary_factor")}
+    fields = {**kept, **decoder_config_fields(spec)}
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [HF_DECODERS[model_type]]
+    return config
+
+
+def write_decoder(full: Mapping[str, torch.Tensor], spec: ModelSpec, directory: str,
+                  source: Mapping | None = None) -> None:
+    """Save our full state as a Llama / Qwen2 / Mistral checkpoint directory."""
+    from transformers import AutoModelForCausalLM
+    config = decoder_config(spec, source)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = decoder_from_full_state(full, spec)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = not spec.tied_embeddings
+    if set(missing) - (set() if untied else {"lm_head.weight"}) or unexpected:
+        raise ConversionError(f"{directory}: {config.architectures[0]} export left {missing} "
+                              f"unset and {unexpected} unused")
+    if (model.lm_head.weight is model.model.embed_tokens.weight) == untied:
+        raise ConversionError(f"{directory}: transformers built a head that is "
+                              f"{'tied' if untied else 'untied'}, the checkpoint's is not")
+    model.save_pretrained(directory)
 
 
 # ---------------------------------------------------------------- vocabulary padding
@@ -454,8 +637,65 @@ def fit_vocab(full: Mapping[str, torch.Tensor], vocab_rows: int,
 
 # ---------------------------------------------------------------- files
 
-ARGS_FILE = "model_args.json"             # ModelArgs, and the flags to train it with
+ARGS_FILE = "model_args.json"             # the ModelSpec options, and the flags to train with
 SOURCE_CONFIG_FILE = "hf_config.json"     # the imported config.json, for export to keep
+# model_args.json of earlier imports named some options as the flags' fields do
+RECORD_RENAMES = {"decoder_num_layers": "num_decoder_layers"}
+
+
+def spec_record(spec: ModelSpec) -> dict:
+    """model_args.json: every ModelSpec option of `spec` and its vocabulary."""
+    return {**{f.name: getattr(spec, f.name) for f in MODEL_OPTIONS},
+            "vocab_size": spec.vocab_size}
+
+
+def read_spec_record(path: str) -> ModelSpec:
+    """The ModelSpec of a model_args.json (this form, or the one of earlier imports)."""
+    import json
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        record = {RECORD_RENAMES.get(k, k): v for k, v in record.items()}
+        if "untie_embeddings_and_output_weights" in record:
+            record["tied_embeddings"] = not record.pop("untie_embeddings_and_output_weights")
+        return ModelSpec(**record)
+    except (UnicodeDecodeError, ValueError, TypeError) as err:
+        raise ConversionError(f"{path}: not a model_args.json ({err})") from None
+
+
+def flag_values(spec: ModelSpec) -> dict:
+    """{training flag's field: value} that builds `spec` (model_spec.option_values' inverse):
+    what a checkpoint of it records; the query groups as --num-query-groups holds them."""
+    values = {option_arg(f): (not getattr(spec, f.name)) if f.metadata["negate"]
+              else getattr(spec, f.name) for f in MODEL_OPTIONS}
+    values["num_query_groups"] = spec.query_groups
+    return values
+
+
+def training_flags(spec: ModelSpec) -> str:
+    """The model flags of pretrain_*.py that build `spec`, from each option's flag: a switch
+    where it is on, a value where it is not the default (sizes always; T5's relative-position
+    fields whenever it uses them)."""
+    from megatron.training.arguments import FLAGS
+    switches = {f.name: f.negate for f in FLAGS if f.kwargs.get("action") == "store_true"}
+    values = flag_values(spec)
+    flags = []
+    for f in MODEL_OPTIONS:
+        name, value = f.metadata["flag"], values[option_arg(f)]
+        if not name.startswith("--"):
+            continue
+        if spec.model == "t5" and name == "--num-layers":
+            name = "--encoder-num-layers"
+        if f.name == "num_query_groups":
+            if value != spec.num_attention_heads:
+                flags.append(f"--group-query-attention {name} {value}")
+        elif name in switches:
+            if value != switches[name]:
+                flags.append(name)
+        elif f.metadata["shape"] and value or value != f.default \
+                or f.name.startswith("relative_") and spec.position_embedding_type == "relative":
+            flags.append(f"{name} {value}")
+    return " ".join(flags)
 
 
 def read_source_config(directory: str) -> dict | None:
@@ -472,40 +712,53 @@ def read_source_config(directory: str) -> dict | None:
         raise ConversionError(f"{path}: not a JSON config ({err})") from None
 
 
+HF_DECODERS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "mistral": "MistralForCausalLM"}
+
+
 def hf_kind(config) -> str:
-    """'gpt' for a GPT-2 config, 't5' for a T5 one; ConversionError otherwise."""
-    kinds = {"gpt2": "gpt", "t5": "t5"}
+    """'gpt' for a GPT-2 config, 't5' for a T5 one, 'decoder' for Llama / Qwen2 / Mistral;
+    ConversionError otherwise."""
+    kinds = {"gpt2": "gpt", "t5": "t5", **{t: "decoder" for t in HF_DECODERS}}
     if config.model_type not in kinds:
         raise ConversionError(f"model_type {config.model_type!r}: only GPT-2 "
-                              "(GPT2LMHeadModel) and T5 (T5ForConditionalGeneration) convert")
+                              "(GPT2LMHeadModel), T5 (T5ForConditionalGeneration) and "
+                              f"{', '.join(HF_DECODERS.values())} convert")
     return kinds[config.model_type]
 
 
-def read_hf(directory: str, untie: bool = False) -> tuple[dict, ModelArgs]:
-    """(full state, ModelArgs) of a transformers checkpoint directory (config.json plus
-    safetensors / bin weights, as save_pretrained writes them; nothing is downloaded)."""
-    from transformers import AutoConfig, GPT2LMHeadModel, T5ForConditionalGeneration
+def read_hf(directory: str, untie: bool = False,
+            seq_length: int | None = None) -> tuple[dict, ModelSpec]:
+    """(full state, ModelSpec) of a transformers checkpoint directory (config.json plus
+    safetensors / bin weights, as save_pretrained writes them; nothing is downloaded);
+    `seq_length`: the longest sequence a run will train on (a sliding window must cover it)."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel,
+                              T5ForConditionalGeneration)
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     kind = hf_kind(config)
-    if kind == "gpt":
-        args = gpt2_args(config)
-        untie = untie or not config.tie_word_embeddings      # a GPT-2 with its own lm_head
-        args = ModelArgs(**{**args.as_dict(), "untie_embeddings_and_output_weights": untie})
-        model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True,
-                                                dtype=torch.float32)
-        return full_state_from_gpt2(model.state_dict(), args, where=directory), args
-    args = t5_args(config)    # T5 v1.1's head is untied whatever `untie` says
-    model = T5ForConditionalGeneration.from_pretrained(directory, local_files_only=True,
-                                                       dtype=torch.float32)
-    return full_state_from_t5(model.state_dict(), args, where=directory), args
+    if kind == "t5":
+        args = t5_args(config)    # T5 v1.1's head is untied whatever `untie` says
+        model = T5ForConditionalGeneration.from_pretrained(directory, local_files_only=True,
+                                                           dtype=torch.float32)
+        return full_state_from_t5(model.state_dict(), args, where=directory), args
+    args = gpt2_args(config) if kind == "gpt" else decoder_spec(config, seq_length)
+    if untie or not config.tie_word_embeddings:     # a checkpoint with its own lm_head
+        args = replace(args, tied_embeddings=False)
+    model_class = GPT2LMHeadModel if kind == "gpt" else AutoModelForCausalLM
+    model = model_class.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    read = full_state_from_gpt2 if kind == "gpt" else full_state_from_decoder
+    return read(model.state_dict(), args, where=directory), args
 
 
-def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
+def write_hf(full: Mapping[str, torch.Tensor], args: ModelSpec, directory: str,
              source: Mapping | None = None) -> None:
     """Save our full state as a transformers checkpoint directory (save_pretrained): every
     tensor, the output layer too when it is untied, and a config that says so; the config's
     other fields are `source`'s (read_source_config) when given."""
     from transformers import GPT2LMHeadModel
+    if is_hf_decoder(args):
+        write_decoder(full, args, directory, source)
+        return
     if args.model == "t5":
         model = t5_model(t5_config(args, source))
         state = t5_from_full_state(full, args)
@@ -519,7 +772,7 @@ def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
         model.save_pretrained(directory)
         return
     model = GPT2LMHeadModel(gpt2_config(args, source))
-    untied = args.untie_embeddings_and_output_weights
+    untied = not args.tied_embeddings
     missing, unexpected = model.load_state_dict(gpt2_from_full_state(full, args), strict=False)
     if set(missing) - (set() if untied else {"lm_head.weight"}) or unexpected:
         raise ConversionError(f"{directory}: GPT-2 export left {missing} unset and "
@@ -530,40 +783,26 @@ def write_hf(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
     model.save_pretrained(directory)
 
 
-def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory: str,
+def write_converted(full: Mapping[str, torch.Tensor], args: ModelSpec, directory: str,
                     source: Mapping | None = None) -> str:
     """Save a converted model for training, the one place where the on-disk form is chosen: a
     layout-free, model-only checkpoint (iteration 0) that `--load DIR --finetune` reads at any
-    TP / PP / DP, plus its ModelArgs (the flags to train it with) and the source's config.json
+    TP / PP / DP, plus its ModelSpec (the flags to train it with) and the source's config.json
     (`source`, which export keeps the other fields of). Returns the iteration directory."""
     import json
     import os
 
     from megatron.checkpoint.checkpointing import atomic_write, save_model_only_checkpoint
     os.makedirs(directory, exist_ok=True)
-    signature = {"model": args.model, "num_layers": args.num_layers,
-                 "decoder_num_layers": args.decoder_num_layers, "hidden_size": args.hidden_size,
-                 "num_attention_heads": args.num_attention_heads,
-                 "ffn_hidden_size": args.ffn_hidden_size,
-                 "max_position_embeddings": args.max_position_embeddings,
-                 # what a run must build alike (the flags of training_flags), so that a load
-                 # with other flags is refused instead of training another function
-                 "untie_embeddings_and_output_weights":
-                     args.untie_embeddings_and_output_weights,
-                 "normalization": args.normalization, "norm_epsilon": args.layernorm_epsilon,
-                 "add_bias_linear": args.add_bias_linear,
-                 "gated_linear_unit": args.gated_linear_unit,
-                 "softmax_scale": args.softmax_scale, "kv_channels": args.kv_channels,
-                 "position_embedding_type": args.position_embedding_type,
-                 "relative_attention_num_buckets": args.relative_attention_num_buckets,
-                 "relative_attention_max_distance": args.relative_attention_max_distance,
-                 "vocab_size": args.vocab_size}
+    # what a run must build alike (the flags of training_flags), so that a load with other
+    # flags is refused instead of training another function
+    signature = {**flag_values(args), "vocab_size": args.vocab_size}
     folder = save_model_only_checkpoint(directory, 0, {n: t.contiguous() for n, t in full.items()},
                                         signature)
 
     def write_args(tmp):
         with open(tmp, "w") as f:
-            json.dump(args.as_dict(), f, indent=1)
+            json.dump(spec_record(args), f, indent=1)
     atomic_write(os.path.join(directory, ARGS_FILE), write_args)
     if source is not None:
         def write_source(tmp):
@@ -573,26 +812,25 @@ def write_converted(full: Mapping[str, torch.Tensor], args: ModelArgs, directory
     return folder
 
 
-def read_converted(directory: str, args_directory: str | None = None) -> tuple[dict, ModelArgs]:
-    """(full state, ModelArgs) of a checkpoint for export: one written by write_converted, or a
-    training run's (`--save`) with the ModelArgs of the converted directory it was fine-tuned
-    from (`args_directory`); its model shape must be that of the ModelArgs."""
+def read_converted(directory: str, args_directory: str | None = None) -> tuple[dict, ModelSpec]:
+    """(full state, ModelSpec) of a checkpoint for export: one written by write_converted, or a
+    training run's (`--save`) with the ModelSpec of the converted directory it was fine-tuned
+    from (`args_directory`); its model shape must be that of the ModelSpec."""
     import json
     import os
 
-    from megatron.checkpoint.checkpointing import read_common, read_full_model_state
+    from megatron.checkpoint.checkpointing import (read_common, read_full_model_state,
+                                                   signature_differences)
     args_file = os.path.join(args_directory or directory, ARGS_FILE)
     if not os.path.isfile(args_file):
         raise ConversionError(f"{args_file} not found: export reads the model flags from a "
                               "directory tools/convert_checkpoint.py wrote; for a training "
                               "run's checkpoint give --model-args DIR, the converted directory "
                               "it was fine-tuned from")
-    with open(args_file) as f:
-        args = ModelArgs(**json.load(f))
+    args = read_spec_record(args_file)
     saved = read_common(directory)["config"]
-    differ = [f"{k} {saved[k]} (ModelArgs: {getattr(args, k)})" for k in sorted(saved)
-              if k != "model" and getattr(args, k, saved[k]) != saved[k]]
-    if saved.get("model") != args.model or differ:
+    differ = signature_differences(saved, {**flag_values(args), "vocab_size": args.vocab_size})
+    if differ:
         raise ConversionError(f"{directory} holds another model than {args_file} describes: "
-                              f"{', '.join(differ) or saved.get('model')}")
+                              f"{'; '.join(differ)}")
     return read_full_model_state(directory), args
