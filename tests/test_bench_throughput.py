@@ -86,6 +86,28 @@ def test_ratios_are_also_taken_round_by_round():
                for line in padding_free_lines(rows, "gpt"))
 
 
+def test_llama_rows_train_a_llama_style_gpt():
+    """--models llama: the GPT trainer with rotary positions, SwiGLU, grouped-query attention,
+    RMSNorm, no biases and an untied head, the same data flags as the GPT rows."""
+    import tools.bench_throughput as bench
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import model_spec
+    job = {"model": "llama", "max_len": 256, "num_layers": 2, "hidden_size": 96,
+           "num_attention_heads": 4, "max_position_embeddings": 256, "pp": 2, "tp": 1,
+           "tokens_per_global_batch": 1024, "packing_algorithm": "nextfit",
+           "window_packing_algorithm": "nextfit", "pipeline_schedule": "auto",
+           "warmup_iters": 1, "iters": 1, "seed": 1, "data_path": "d", "timeout_minutes": 2,
+           "packing_window": 0, "tokenizer_model": "sp.model"}
+    flags = bench.train_flags(job, "dynamic")
+    assert bench.trainer_model("llama") == "gpt"
+    gpt = dict(job, model="gpt")
+    assert set(bench.train_flags(gpt, "dynamic")) < set(flags)
+    spec = model_spec(parse_args("gpt", flags, has_cuda=False), 600)
+    assert spec.position_embedding_type == "rope" and spec.swiglu and spec.gated_mlp
+    assert (spec.query_groups, spec.normalization, spec.add_bias_linear) == (2, "RMSNorm", False)
+    assert not spec.tied_embeddings and spec.ffn_size == 256
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_data")

@@ -64,6 +64,22 @@ def packer_of(job: dict, strategy: str) -> str:
     return job["window_packing_algorithm"] if strategy == WINDOW else job["packing_algorithm"]
 
 
+def trainer_model(model: str) -> str:
+    """The trainer of a bench model: T5's, or GPT's (GPT-2-style "gpt", Llama-style "llama")."""
+    return "t5" if model == "t5" else "gpt"
+
+
+def llama_flags(hidden_size: int, heads: int) -> list[str]:
+    """A Llama-style GPT of this size, with Megatron-LM's flags: rotary positions, SwiGLU (ffn
+    8/3 x hidden, a multiple of 64), grouped-query attention (half as many key / value heads),
+    RMSNorm, no linear biases, untied output layer."""
+    ffn = -(-8 * hidden_size // 3 // 64) * 64
+    return ["--position-embedding-type", "rope", "--swiglu", "--ffn-hidden-size", str(ffn),
+            "--group-query-attention", "--num-query-groups", str(max(1, heads // 2)),
+            "--normalization", "RMSNorm", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights"]
+
+
 def train_flags(job: dict, strategy: str) -> list[str]:
     """Megatron-style flags of one strategy's run (the same model for every strategy)."""
     model, max_len = job["model"], job["max_len"]
@@ -91,6 +107,8 @@ def train_flags(job: dict, strategy: str) -> list[str]:
              "--distributed-timeout-minutes", str(job["timeout_minutes"])]
     if strategy == WINDOW:
         flags += ["--packing-window", str(job["packing_window"])]
+    if model == "llama":
+        flags += llama_flags(job["hidden_size"], job["num_attention_heads"])
     if model == "t5":
         flags += ["--encoder-seq-length", str(max_len),
                   "--decoder-seq-length", str(decoder_length(max_len))]
@@ -333,7 +351,7 @@ def bench_strategy(job: dict, strategy: str) -> dict:
     from megatron.training.arguments import parse_args
     from megatron.training.step_timing import add_parts
     from megatron.training.training import train_step
-    cfg = parse_args(job["model"], train_flags(job, strategy))
+    cfg = parse_args(trainer_model(job["model"]), train_flags(job, strategy))
     micro_batch_size, tuning = None, {}
     if strategy.split("+")[0] == "padding":
         micro_batch_size, tuning = tune_for(cfg, job)
@@ -446,7 +464,8 @@ def timed_batches(job: dict, strategy: str, algorithm: str) -> list:
     from megatron.training.training import open_training_data
     flags = train_flags(dict(job, packing_algorithm=algorithm,
                              window_packing_algorithm=algorithm), strategy)
-    data = open_training_data(parse_args(job["model"], flags), int(os.environ.get("RANK", "0")))
+    data = open_training_data(parse_args(trainer_model(job["model"]), flags),
+                              int(os.environ.get("RANK", "0")))
     total = job["warmup_iters"] + job["iters"]
     return [np.asarray(data.batch_lengths(i)) for i in range(job["warmup_iters"], total)]
 
@@ -465,7 +484,7 @@ def best_packer(job: dict, strategy: str = "packing") -> tuple[str, dict]:
         packer = "nextfit" if strategy == WINDOW else algorithm
         try:
             for lengths in batches or timed_batches(job, strategy, algorithm):
-                if job["model"] == "gpt":
+                if job["model"] != "t5":
                     rows = len(pack_sequences(lengths, job["max_len"], packer))
                     real, slots = real + lengths.sum(), slots + rows * job["max_len"]
                 else:
@@ -488,7 +507,7 @@ def group_memory_gib(job: dict, most_doublings: int = 3) -> float:
     from dynapipe_ext.batching.planners import PlanningError
     from megatron.training.arguments import parse_args
     from megatron.training.training import model_spec, open_training_data
-    cfg = parse_args(job["model"], train_flags(job, "packing"))
+    cfg = parse_args(trainer_model(job["model"]), train_flags(job, "packing"))
     data = open_training_data(cfg, int(os.environ.get("RANK", "0")))
     spec = model_spec(cfg, data.vocab_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -511,7 +530,7 @@ def ensure_profile(job: dict) -> None:
     from megatron.training.arguments import parse_args
     from megatron.base.distributed_setup import setup_model_parallel
     from megatron.training.training import model_spec, open_training_data
-    cfg = parse_args(job["model"], train_flags(job, "dynamic"))
+    cfg = parse_args(trainer_model(job["model"]), train_flags(job, "dynamic"))
     spec = model_spec(cfg, open_training_data(cfg, int(os.environ.get("RANK", "0"))).vocab_size)
     layout = setup_model_parallel(
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed,
@@ -651,7 +670,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab (without --tokenizer-model)")
     g.add_argument("--merge-file", default=None)
     g = p.add_argument_group("runs")
-    g.add_argument("--models", nargs="+", choices=("gpt", "t5"), default=["gpt", "t5"])
+    g.add_argument("--models", nargs="+", choices=("gpt", "t5", "llama"), default=["gpt", "t5"],
+                   help="llama: a Llama-style GPT (RoPE, SwiGLU, GQA, RMSNorm; llama_flags)")
     g.add_argument("--max-lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096])
     g.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     g.add_argument("--tokens-per-global-batch", type=int, default=8192)
@@ -740,7 +760,7 @@ def make_job(args, model: str, max_len: int, device: str, work: Path) -> dict:
     max_pos = max(max(args.max_lengths), decoder_length(max(args.max_lengths)))
     return {
         "model": model, "max_len": max_len, "strategies": list(args.strategies),
-        "num_layers": layers if model == "gpt" else t5_layers,
+        "num_layers": t5_layers if model == "t5" else layers,
         "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads,
         "max_position_embeddings": max_pos, "pp": args.pp, "tp": args.tp,
         "tokens_per_global_batch": max(args.tokens_per_global_batch, max_len,
