@@ -96,7 +96,7 @@ model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
 prompt = "Translate to French: the cat sat on the mat."
 ids = tokenizer(prompt, return_tensors="pt").input_ids
 with torch.no_grad():
-    out = model.generate(ids, max_new_tokens=8, do_sample=False,
+    out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          pad_token_id=tokenizer.eos_token_id)
 print(f"  {type(model).__name__}: {prompt!r} -> "
       f"{tokenizer.decode(out[0, ids.shape[1]:])!r}")

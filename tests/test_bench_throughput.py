@@ -86,7 +86,7 @@ def test_ratios_are_also_taken_round_by_round():
                for line in padding_free_lines(rows, "gpt"))
 
 
-def test_llama_rows_train_a_llama_style_gpt():
+def test_llama_rows_train_a_llama_style_gpt(tmp_path):
     """--models llama: the GPT trainer with rotary positions, SwiGLU, grouped-query attention,
     RMSNorm, no biases and an untied head, the same data flags as the GPT rows."""
     import tools.bench_throughput as bench
@@ -97,7 +97,8 @@ def test_llama_rows_train_a_llama_style_gpt():
            "tokens_per_global_batch": 1024, "packing_algorithm": "nextfit",
            "window_packing_algorithm": "nextfit", "pipeline_schedule": "auto",
            "warmup_iters": 1, "iters": 1, "seed": 1, "data_path": "d", "timeout_minutes": 2,
-           "packing_window": 0, "tokenizer_model": "sp.model"}
+           "packing_window": 0, "tokenizer_model": str(tmp_path / "sp.model")}
+    (tmp_path / "sp.model").write_bytes(b"")
     flags = bench.train_flags(job, "dynamic")
     assert bench.trainer_model("llama") == "gpt"
     gpt = dict(job, model="gpt")

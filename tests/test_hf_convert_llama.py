@@ -15,7 +15,8 @@ import torch
 
 from dynapipe_ext.batching.microbatch import MicroBatch
 from megatron.checkpoint.hf_convert import (ConversionError, decoder_spec, padded_spec,
-                                            read_converted, read_hf, write_converted, write_hf)
+                                            read_converted, read_hf, unpack_per_head,
+                                            write_converted, write_hf)
 from multiproc import run_in_processes, single_process_world
 
 transformers = pytest.importorskip("transformers")
@@ -44,11 +45,11 @@ def qwen2_config():
 
 
 def mistral_config():
-    """A window covering the sequence, 5 heads with a head_dim of their own (not hidden / heads),
-    one key / value head per query head, untied."""
+    """A window covering the sequence, heads with a head_dim of their own (12, not hidden /
+    heads = 10), one key / value head per query head, untied."""
     return transformers.MistralConfig(
         vocab_size=200, hidden_size=40, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=5, num_key_value_heads=5, head_dim=12, max_position_embeddings=32,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=12, max_position_embeddings=32,
         sliding_window=32, tie_word_embeddings=False)
 
 
@@ -143,12 +144,15 @@ def test_logits_match_transformers_packed_and_padded_tp1(tmp_path, name):
         for layout, batch in batches(samples).items():
             assert_logits_equal(per_sample(stage_logits(stages, batch), layout), theirs,
                                 f"{name} {layout}")
-        # a stream whose positions ran on across samples would differ from the second on
-        packed = batches(samples)["packed"]
-        packed["position_ids"] = torch.arange(sum(LENGTHS))[None]
-        with pytest.raises(AssertionError, match="sample 1"):
-            assert_logits_equal(per_sample(stage_logits(stages, packed), "packed"), theirs,
-                                "positions running on")
+        # q, k, v stacked whole instead of per query group: caught by the same comparison
+        name = "decoder.layers.0.self_attention.linear_qkv.weight"
+        rows = [args.num_attention_heads // args.query_groups * args.head_dim, args.head_dim,
+                args.head_dim]
+        stacked = torch.cat(unpack_per_head(full[name], 3, args.query_groups, rows))
+        load_full_state(stage_parameters(stages), {**full, name: stacked}, 0, 1, "import")
+        with pytest.raises(AssertionError, match="max abs diff"):
+            assert_logits_equal(per_sample(stage_logits(stages, batches(samples)["packed"]),
+                                           "packed"), theirs, "q, k, v not per group")
 
 
 def tp2_logits_worker(rank, world_size, converted_dirs, samples_of):
