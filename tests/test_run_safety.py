@@ -434,3 +434,24 @@ def test_evaluate_on_a_checkpoint_of_another_padded_vocabulary_is_one_line(sp_da
     assert "word_embeddings.weight: shape (1024, 32), the model needs (1200, 32)" in out
     assert "--make-vocab-size-divisible-by 512 pads its 1000 tokens to the checkpoint's 1024 " \
            "rows at TP=1" in out
+
+
+def test_a_truncated_parquet_file_is_one_line_naming_it(sp_dataset, tmp_path):
+    """pyarrow's ArrowInvalid went up as a traceback, with --skip-bad too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.table({"inputs": ["a b c"] * 50, "targets": ["d e"] * 50,
+                             "task": ["t1"] * 50}), str(whole))
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    model = sp_dataset[sp_dataset.index("--tokenizer-model") + 1]
+    for extra, said in (([], f"error: {cut}: unreadable file: Parquet magic bytes not found"),
+                        (["--skip-bad"], f"unreadable file: 1 file(s) (first {cut})")):
+        done = subprocess.run([sys.executable, "tools/preprocess_flan.py", "--input", str(cut),
+                               "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+                               "SentencePieceTokenizer", "--tokenizer-model", model,
+                               "--no-progress", *extra], cwd=REPO, env=env_with_repo(),
+                              capture_output=True, text=True, timeout=120)
+        out = done.stdout + done.stderr
+        assert done.returncode == 2 and "Traceback" not in out and said in out, out

@@ -207,6 +207,7 @@ def _jsonl_rows(path: str, opener) -> Iterator[tuple[int, object]]:
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, object]]:
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise BadInputError(path, None, UNSUPPORTED_FORMAT,
@@ -219,7 +220,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, object]]:
             for row in batch.to_pylist():
                 row_no += 1
                 yield row_no, row
-    except OSError as exc:
+    except (OSError, pyarrow.ArrowException) as exc:   # ArrowInvalid: truncated, not parquet
         raise BadInputError(path, row_no + 1 if row_no else None, UNREADABLE_FILE,
                             str(exc)) from exc
 
