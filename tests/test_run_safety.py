@@ -455,3 +455,14 @@ def test_a_truncated_parquet_file_is_one_line_naming_it(sp_dataset, tmp_path):
                               capture_output=True, text=True, timeout=120)
         out = done.stdout + done.stderr
         assert done.returncode == 2 and "Traceback" not in out and said in out, out
+
+
+@pytest.mark.parametrize("name", ["sum\x00mary", "\x1b[2Jwipe"])
+def test_a_task_name_with_a_control_character_is_refused_naming_file_and_line(name):
+    """NUL and ESC in a task name were echoed raw by every log line and summary."""
+    from megatron.data.flan_records import CONTROL_IN_NAME, Rejection, parse_row
+    got = parse_row({"inputs": "a", "targets": "b", "task": name}, "dump.jsonl", 7)
+    assert isinstance(got, Rejection) and got.reason == CONTROL_IN_NAME
+    assert str(got.error()).startswith(f"dump.jsonl:7: {CONTROL_IN_NAME}: 'task' holds "
+                                       f"{name[name.index(chr(0)) if chr(0) in name else 0]!r}")
+    assert parse_row({"inputs": "a\x00", "targets": "b", "task": "t"}, "d", 1).task == "t"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import unicodedata
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ NOT_AN_OBJECT = "not a JSON object"
 MISSING_FIELD = "missing field"
 NON_STRING_FIELD = "non-string field"
 EMPTY_TARGET = "empty target"   # nothing to train on; an empty input is a valid zero-shot sample
+CONTROL_IN_NAME = "control character in a name"   # NUL, ESC, ...: echoed raw by every log line
 # Per-file rejection reasons.
 UNREADABLE_FILE = "unreadable file"
 EMPTY_FILE = "empty file"
@@ -160,6 +162,12 @@ def parse_row(row: object, path: str, line: int,
         where = lone_surrogate(value)
         if where:
             return Rejection(path, line, LONE_SURROGATE, f"{key!r} holds {where}")
+    for key in (task_key, *(k for k in texts if k not in ("inputs", "targets", task_key))):
+        bad = next((c for c in texts[key] if unicodedata.category(c) == "Cc"), None)
+        if bad is not None:
+            return Rejection(path, line, CONTROL_IN_NAME,
+                             f"{key!r} holds {bad!r} (a task, source or template name is "
+                             f"printed in logs and summaries)")
     if not row["inputs"].strip() and not row["targets"].strip():
         return Rejection(path, line, EMPTY_SAMPLE)
     if row["targets"] == "":   # an empty "inputs" is valid (a zero-shot sample: target only)
