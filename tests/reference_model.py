@@ -19,13 +19,16 @@ from megatron.model.stages import build_rank_stages, build_transformer_config, s
 
 def reference_loss_and_grads(spec: ModelSpec, samples: Mapping[int, tuple],
                              sample_ids: Sequence[int], seed: int, pad_id: int = 0,
-                             dtype: str = "float32") -> tuple[float, dict[str, np.ndarray]]:
-    """Token-weighted mean loss of the global batch and the gradient of every parameter.
-    Needs an initialised TP=1, PP=1 megatron-core world (setup_model_parallel(1, 1))."""
+                             dtype: str = "float32", tie_embeddings: bool = True
+                             ) -> tuple[float, dict[str, np.ndarray]]:
+    """Token-weighted mean loss of the global batch and the gradient of every parameter
+    (`tie_embeddings` False: an output layer of its own). Needs an initialised TP=1, PP=1
+    megatron-core world (setup_model_parallel(1, 1))."""
     if parallel_state.get_tensor_model_parallel_world_size() != 1 or \
             parallel_state.get_pipeline_model_parallel_world_size() != 1:
         raise RuntimeError("the reference runs in a TP=1, PP=1 world")
-    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec, dtype=dtype))
+    stages = build_rank_stages(spec, (0,), 0, build_transformer_config(spec, dtype=dtype),
+                               tie_embeddings=tie_embeddings)
     initialize_stage_weights(stages, seed)
     mb = unsplit_micro_batch(sample_ids, samples, spec.model)
     batch = build_micro_batch(mb, samples, spec.model, pad_id)

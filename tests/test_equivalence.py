@@ -31,6 +31,16 @@ SPECS = {
     "gpt": ModelSpec("gpt", 4, 32, 4, 128, max_position_embeddings=64),
     "t5": ModelSpec("t5", 2, 32, 4, 128, num_decoder_layers=2, max_position_embeddings=64),
 }
+# a decoder model of today (Llama / Qwen / Mistral: RMSNorm, rotary positions with Llama 3.1's
+# scaling, SwiGLU, grouped-query attention, no linear biases but q/k/v ones, untied output
+# layer), run with dynamic packed micro-batches on the LLAMA_LAYOUTS
+LLAMA = ModelSpec("gpt", 4, 32, 4, 128, max_position_embeddings=64, ffn_hidden_size=48,
+                  normalization="RMSNorm", position_embedding_type="rope", use_rope_scaling=True,
+                  rope_scaling_original_max_position_embeddings=64, swiglu=True,
+                  num_query_groups=2, add_bias_linear=False, add_qkv_bias=True,
+                  tied_embeddings=False)
+ALL_SPECS = {**SPECS, "llama": LLAMA}
+LLAMA_LAYOUTS = ("tp2", "pp2", "dp2", "tp2_pp2")
 # "dynamic-packed": dynamic micro-batches as one token stream each (dynamic_layout "packed")
 STYLES = ("padding", "packing", "dynamic", "dynamic-packed")
 # packing with the histogram / pair packers (plain "packing" is next-fit): other rows, same math
@@ -66,7 +76,7 @@ def spec_of(model: str, layout_name: str) -> ModelSpec:
         return (dataclasses.replace(SPECS["gpt"], pipeline_cut=HALF_LAYER_CUTS[layout_name])
                 if model == "gpt" else DEEP_T5)
     cut = CUTS.get(layout_name, ())
-    return dataclasses.replace(SPECS[model], pipeline_cut=cut) if cut else SPECS[model]
+    return dataclasses.replace(ALL_SPECS[model], pipeline_cut=cut) if cut else ALL_SPECS[model]
 
 
 def reference_key(model: str, layout_name: str) -> str:
@@ -110,7 +120,8 @@ def lengths_of(samples, model):
 
 def plan_replica(model, style, num_stages, tp, dp, dp_rank, spec=None):
     """This replica's micro-batches from the real planner, with recompute modes cycled."""
-    spec = spec or SPECS[model]
+    spec = spec or ALL_SPECS[model]
+    model = spec.model
     samples = global_batch(model)
     style, _, variant = style.partition("-")
     config = PlannerConfig(model=model, max_seq_len=MAX_SEQ,
@@ -147,7 +158,7 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=
                                             make_handlers)
     from reference_model import gather_full_grads
 
-    spec = spec or SPECS[model]
+    spec = spec or ALL_SPECS[model]
     num_stages = pipeline_schedule(schedule_name, 1, pp).num_stages
     samples, mbs, _ = plan_replica(model, style, num_stages, tp, layout.dp, layout.dp_rank,
                                    spec)
@@ -155,14 +166,16 @@ def run_case(model, style, tp, pp, schedule_name, layout, dtype="float32", spec=
     assert schedule.num_stages == num_stages
     plans = lower(schedule, mbs, spec, dtype=dtype)
     plan = plans[layout.pp_rank]
+    tied = model != "llama"      # GPT and T5 keep Megatron's default, a tied output layer
     stages = build_rank_stages(spec, schedule.stage_to_rank, layout.pp_rank,
-                               build_transformer_config(spec, tp=tp, pp=pp, dtype=dtype))
+                               build_transformer_config(spec, tp=tp, pp=pp, dtype=dtype),
+                               tie_embeddings=tied)
     initialize_stage_weights(stages, SEED)
     grad_buffer = GradBuffer({s: list(m.parameters()) for s, m in stages.items()},
                              parallel_state.get_data_parallel_group() if layout.dp > 1 else None,
                              bucket_numel=BUCKET_NUMEL,
-                             tied_group=tied_embedding_group(spec, schedule.stage_to_rank))
-    table = make_handlers(stages, lambda m: build_micro_batch(mbs[m], samples, model, 0),
+                             tied_group=tied_embedding_group(spec, schedule.stage_to_rank, tied))
+    table = make_handlers(stages, lambda m: build_micro_batch(mbs[m], samples, spec.model, 0),
                           pipeline_p2p_groups(),
                           global_loss_tokens=count_loss_tokens(samples, list(samples)),
                           timeout_s=60, grad_buffer=grad_buffer)
@@ -182,9 +195,10 @@ def layout_worker(rank, world_size, layout_name, cases=None, dtype="float32"):
     _, tp, pp, schedule_name = LAYOUTS[layout_name]
     models = ("gpt",) if layout_name in CUTS else tuple(SPECS)
     styles = ("dynamic",) if layout_name in DYNAMIC_ONLY else STYLES
-    cases = cases or [(model, style) for model in models for style in styles]
+    cases = cases or ([(model, style) for model in models for style in styles]
+                      + ([("llama", "dynamic-packed")] if layout_name in LLAMA_LAYOUTS else []))
     results = {}
-    for model in SPECS:
+    for model in ALL_SPECS:
         if not any(m == model for m, _ in cases):
             continue
         layout = setup_model_parallel(tp, pp, seed=SEED, timeout_s=60)
@@ -206,6 +220,9 @@ def references():
                  for model in SPECS}
         found["t5_deep"] = reference_loss_and_grads(DEEP_T5, global_batch("t5"),
                                                     sorted(global_batch("t5")), SEED)
+        found["llama"] = reference_loss_and_grads(LLAMA, global_batch("gpt"),
+                                                  sorted(global_batch("gpt")), SEED,
+                                                  tie_embeddings=False)
         return found
 
 
