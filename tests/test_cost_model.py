@@ -224,7 +224,8 @@ def test_gated_mlp_has_three_matrices_and_matches_the_built_layer():
                               normalization="RMSNorm", position_embedding_type="relative")
     h, f = T5.hidden_size, T5.ffn_size
     plain, gated = AnalyticCostModel(T5), AnalyticCostModel(v11)
-    assert gated.layer_params(ENC_LAYER) - plain.layer_params(ENC_LAYER) == h * f
+    # the gate's h x f, less the plain layer's biases (q, k, v, projection, fc1, fc2)
+    assert gated.layer_params(ENC_LAYER) - plain.layer_params(ENC_LAYER) == h * f - 5 * h - f
     fwd_plain = plain.stage_costs(1, 256, 64, 2)[0]
     fwd_gated = gated.stage_costs(1, 256, 64, 2)[0]
     assert fwd_gated.fwd_ms > fwd_plain.fwd_ms
@@ -300,8 +301,8 @@ def test_half_layers_split_as_the_attention_and_mlp_blocks():
         return model._layer_cost(kind, b, s, np.zeros_like(b), recompute)
     mlp_fwd, att_fwd = cost(GPT_MLP)[0], cost(GPT_ATTENTION)[0]
     assert mlp_fwd[1] == pytest.approx(2 * mlp_fwd[0]) and att_fwd[1] > 2.1 * att_fwd[0]
-    assert model.layer_params(GPT_ATTENTION) == 4 * h * h
-    assert model.layer_params(GPT_MLP) == 2 * h * f
+    assert model.layer_params(GPT_ATTENTION) == 4 * h * h + 4 * h     # + q, k, v, proj biases
+    assert model.layer_params(GPT_MLP) == 2 * h * f + f + h
     sbh = s * b * h
     np.testing.assert_allclose(cost(GPT_ATTENTION)[2], sbh * (13 + 5 * a * s / h))
     np.testing.assert_allclose(cost(GPT_MLP)[2], sbh * 21)
@@ -469,8 +470,8 @@ def test_grouped_query_attention_shrinks_k_and_v_in_params_flops_and_kept_bytes(
     gqa = dataclasses.replace(mha, num_query_groups=2)
     h = 64
     a, g = AnalyticCostModel(mha, tp=2), AnalyticCostModel(gqa, tp=2)
-    assert a.layer_params("gpt_attention") == 4 * h * h / 2
-    assert g.layer_params("gpt_attention") == (2 + 2 * 2 / 8) * h * h / 2
+    assert a.layer_params("gpt_attention") == (4 * h * h + 3 * h) / 2 + h     # biases: q, k, v
+    assert g.layer_params("gpt_attention") == ((2 + 2 * 2 / 8) * h * h + 1.5 * h) / 2 + h
     assert g.layer_params("gpt_mlp") == a.layer_params("gpt_mlp")
     b, s = np.array([2.0]), np.array([128.0])
     full, grouped = a._attention_terms(b, s), g._attention_terms(b, s)
@@ -485,7 +486,8 @@ def test_grouped_query_attention_shrinks_k_and_v_in_params_flops_and_kept_bytes(
 
 
 @pytest.mark.parametrize("options", [{}, {"kv_channels": 8}, {"kv_channels": 32},
-                                     {"num_query_groups": 2}, {"gated_linear_unit": True}])
+                                     {"num_query_groups": 2}, {"gated_linear_unit": True},
+                                     {"swiglu": True, "num_query_groups": 2}])
 def test_layer_linear_flops_are_the_model_flops_count(options):
     """The analytic model's linear flops of a layer equal model_flops' count (the MFU
     numerator) for every attention width: --kv-channels 8 at 8 heads makes Q, K, V, the core
@@ -502,7 +504,7 @@ def test_layer_linear_flops_are_the_model_flops_count(options):
     # causal: the pairs of a query and its earlier keys, as model_flops counts them
     assert terms.att[0] == pytest.approx(4 * 2 * (96 * 97 / 2) * gpt.attention_width / 2)
     if "num_query_groups" in options:
-        return                      # T5 has no grouped-query attention
+        return                      # T5 has no grouped-query attention (nor rotary SwiGLU)
     t5 = ModelSpec("t5", num_layers=1, num_decoder_layers=1, hidden_size=256,
                    num_attention_heads=8, vocab_size=1000, **options)
     layer, cross_q_out, cross_kv = _per_token_linear(t5)
@@ -543,3 +545,32 @@ def test_rank_cost_model_folds_a_layouts_stages_onto_their_ranks():
         ranks.stage_cost_arrays(rows, seq, dec, 4)
     with pytest.raises(ValueError, match="leaves a rank without stages"):
         RankCostModel(inner, (0, 2, 2, 0))
+
+
+@pytest.mark.parametrize("options", [
+    dict(),                                          # GPT-2: every linear has a bias
+    dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+         num_query_groups=2, add_bias_linear=False),  # Llama / Mistral
+    dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+         num_query_groups=2, add_bias_linear=False, add_qkv_bias=True),     # Qwen2
+])
+def test_layer_params_count_the_layers_as_built_and_profiled(options):
+    """The analytic parameters of a GPT layer (SwiGLU's three matrices, GQA's smaller K and V,
+    q / k / v biases, the linears' biases) are those of the layer StageModule builds and of the
+    one the cost profiler measures, norms aside; rotary positions hold no parameter and a
+    learned position table only for learned positions; the profiler's layer turns q and k."""
+    from megatron.model.stages import StageModule, build_transformer_config
+    from megatron.planning.profile_layers import ProfiledLayer
+    from multiproc import single_process_world
+    spec = ModelSpec("gpt", 1, 32, 4, 128, ffn_hidden_size=48, **options)
+    model = AnalyticCostModel(spec)
+    with single_process_world(seed=1):
+        config = build_transformer_config(spec)
+        stage = StageModule(spec, 1, 0, config, False)
+        profiled = ProfiledLayer(GPT_LAYER, spec, config)
+        embedding = ProfiledLayer(EMBEDDING, spec, config)
+    for layer in (stage.decoder.layers[0], profiled.body.layers[0]):
+        counted = sum(p.numel() for n, p in layer.named_parameters() if "layernorm" not in n)
+        assert counted == model.layer_params(GPT_LAYER)
+    assert (profiled.rotary is not None) == spec.rotary
+    assert sum(p.numel() for p in embedding.parameters()) == model.layer_params(EMBEDDING)

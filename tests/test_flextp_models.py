@@ -1,8 +1,9 @@
-"""FlexTP across the main trainer's models and layouts (pretrain_gpt.py --tp-balance): a gated
-MLP, or grouped-query attention, at an uneven partition computes the loss and every gradient of
-even TP and of TP=1; --pipeline-split (half layers) trains; T5 is refused in one line; the
-slot capacity follows --tp-balance-max-share (allocation, clamping, the planner's memory
-model); resizing rotates the skipped units so every unit keeps getting gradients."""
+"""FlexTP across the main trainer's models and layouts (pretrain_gpt.py --tp-balance): a SwiGLU
+MLP, or grouped-query attention with rotary positions and q/k/v biases, at an uneven partition
+computes the loss and every gradient of even TP and of TP=1; --pipeline-split (half layers)
+trains; T5 is refused in one line; the slot capacity follows --tp-balance-max-share
+(allocation, clamping, the planner's memory model); resizing rotates the skipped units so every
+unit keeps getting gradients."""
 import math
 
 import pytest
@@ -23,15 +24,18 @@ def _gradients_close(got: dict, want: dict) -> None:
 
 
 # Layer options whose FlexTP units are more than one head / one ffn column group: flags, and
-# the full (TP=1) shape of the tensor that shows them.
-# gated MLP (--gated-gelu): fc1 = [gate; up], each half slotted.
+# the full (TP=1) shape of the tensor that shows them; together the options of Llama / Qwen2.
+# gated MLP (--swiglu; --gated-gelu slots alike): fc1 = [gate; up], each half slotted.
 # grouped-query attention: 8 heads in 4 query groups (head size 4), a unit is one group: its
-# 2 heads' Q rows and its one K and V row block; linear_qkv has (8 + 2 x 4) x 4 rows, not 3 x 32.
+# 2 heads' Q rows and its one K and V row block; linear_qkv has (8 + 2 x 4) x 4 rows, not 3 x 32;
+# with rotary positions (each rank turns the heads it holds) and q/k/v biases (slotted alike).
 LAYER_OPTIONS = {
-    "gated-mlp": (["--gated-gelu", "--disable-bias-linear"],
+    "gated-mlp": (["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm"],
                   "decoder.layers.0.mlp.linear_fc1.weight", (2 * 128, 32)),
     "gqa": (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups",
-             "4"], "decoder.layers.0.self_attention.linear_qkv.weight", ((8 + 2 * 4) * 4, 32)),
+             "4", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--add-qkv-bias"],
+            "decoder.layers.0.self_attention.linear_qkv.weight", ((8 + 2 * 4) * 4, 32)),
 }
 
 

@@ -1,6 +1,7 @@
 """Predicted (analytic cost model + schedule simulator) vs measured peak activation memory per
-pipeline rank for real plans on this CPU: GPT and T5, several maximum lengths, each recompute
-mode, 1F1B over 2 ranks (megatron/bench/memory_bench.py says how each side is obtained).
+pipeline rank for real plans on this CPU: GPT, T5 and a Llama-style GPT, several maximum
+lengths, each recompute mode, 1F1B over 2 ranks (megatron/bench/memory_bench.py says how each
+side is obtained).
 
     python tools/bench_memory.py [--max-lens 256 512 1024] [--output docs/memory_validation.json]
 
@@ -32,7 +33,7 @@ def flan_like_lengths(model: str, max_len: int, tokens: int, seed: int = 0) -> n
     enc = np.minimum(rng.lognormal(np.log(max_len / 4), 0.8, 4 * tokens // 8).astype(int) + 8,
                      max_len)
     enc = enc[np.cumsum(enc) <= tokens]
-    if model == "gpt":
+    if model != "t5":
         return enc
     return np.stack([enc, np.minimum(enc // 3 + 2, max_len // 4)], axis=1)
 
@@ -41,10 +42,18 @@ def model_spec(model: str, max_len: int):
     from dynapipe_ext.costs.model_spec import ModelSpec
     if model == "gpt":
         return ModelSpec("gpt", 4, 256, 4, 1024, max_position_embeddings=max_len)
+    if model == "llama":    # rotary positions, SwiGLU, 2 query groups, RMSNorm, no biases
+        return ModelSpec("gpt", 4, 256, 4, 1024, max_position_embeddings=max_len,
+                         ffn_hidden_size=688, normalization="RMSNorm",
+                         position_embedding_type="rope", swiglu=True, num_query_groups=2,
+                         add_bias_linear=False)
     return ModelSpec("t5", 2, 256, 4, 1024, num_decoder_layers=2, max_position_embeddings=max_len)
 
 
-def measure(max_lens, models=("gpt", "t5"), modes=MODES, log=print) -> list[dict]:
+MODELS = ("gpt", "t5", "llama")
+
+
+def measure(max_lens, models=MODELS, modes=MODES, log=print) -> list[dict]:
     """One row per (model, max length, recompute mode, rank)."""
     from megatron.bench.memory_bench import predicted_vs_measured
     rows = []
@@ -85,7 +94,8 @@ def summary(rows: list[dict]) -> dict:
 DOC_BODY = """Predicted vs measured peak activation memory per pipeline rank on this CPU
 (`python tools/bench_memory.py`; fp32, 1F1B over 2 ranks, dynamic micro-batches of a FLAN-like
 batch of 8 x max-length tokens, every micro-batch in the recompute mode of the row; GPT 4 layers
-and T5 2+2 layers, hidden 256, 4 heads, vocabulary 1024). Predicted: the analytic cost model's
+and T5 2+2 layers, hidden 256, 4 heads, vocabulary 1024; llama: the GPT with rotary positions,
+a SwiGLU MLP of 688, 2 query groups, RMSNorm and no biases). Predicted: the analytic cost model's
 kept and transient bytes played through the schedule simulator. Measured: that rank's forwards
 and backwards replayed in the schedule's order through the real stage modules, glibc bytes in
 use after every aten op above the start (megatron/bench/memory_bench.py). `*`: outside the

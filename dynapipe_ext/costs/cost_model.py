@@ -277,15 +277,21 @@ class AnalyticCostModel(CostModel):
         return 3 if self.spec.gated_mlp else 2
 
     def layer_params(self, kind: str) -> float:
-        """Parameters of one layer kind held by one tensor-parallel rank (biases ignored)."""
+        """Parameters of one layer kind held by one tensor-parallel rank, linear biases
+        included (norms: 2 h per norm kind, as before)."""
         h, f, v, tp = self.spec.hidden_size, self.spec.ffn_size, self.spec.vocab_size, self.tp
         m = self.mlp_matrices
         positions = (self.spec.max_position_embeddings * h
                      if self.spec.position_embedding_type == "learned_absolute" else 0)
         # Q + projection, K + V (grouped-query attention: one per query group), each h x the
-        # attention width; fc1 (+ gate), fc2
+        # attention width; fc1 (+ gate), fc2; biases: q / k / v rows split by TP
+        # (--add-qkv-bias keeps them alone), the output projection's and fc2's h replicated
         p = self.spec.attention_width
-        attention, mlp = (2 + 2 * self.spec.kv_share) * h * p / tp, m * h * f / tp
+        qkv_rows = (1 + 2 * self.spec.kv_share) * p
+        biased = self.spec.add_bias_linear
+        qkv_bias = qkv_rows if biased or self.spec.add_qkv_bias else 0.0
+        attention = ((2 + 2 * self.spec.kv_share) * h * p + qkv_bias) / tp + biased * h
+        mlp = (m * h * f + biased * (m - 1) * f) / tp + biased * h
         attention, mlp = attention * self.tp_slot_share, mlp * self.tp_slot_share
         if kind == GPT_ATTENTION:
             return attention
@@ -370,8 +376,12 @@ class AnalyticCostModel(CostModel):
         score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
         qkv = 2 + 2 * self.spec.kv_share     # Q + projection, and K + V of the query groups
         pairs = s * (s + 1) / 2 if causal else s * s
+        # rotary positions: the cosines and sines that turned Q and K, [s, b, rotary dim]
+        # each, on every TP rank
+        rotary = 4.0 * dt * b * s * self.spec.rotary_dim
         return LayerTerms(lin=2 * b * s * qkv * h * p / tp, att=4 * b * pairs * p / tp,
-                          kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * p / tp),
+                          kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * p / tp)
+                          + rotary,
                           kept_att=kept_att, transient=2 * score + np.zeros_like(b),
                           layer_in=dt * b * s * h)
 
@@ -384,7 +394,8 @@ class AnalyticCostModel(CostModel):
         # kept fc1 output and activation output (2f); gated: fc1 output (2f), activation of
         # the gate and the product (4f); the transient activation grows alike
         kept_f = 2 * m - 2
-        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0   # per token
+        # per token; SwiGLU's SiLU is torch's own kernel
+        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu and not self.spec.swiglu else 0.0
         zero = np.zeros_like(b)
         return LayerTerms(lin=2 * b * s * m * h * f / tp, att=zero,
                           kept_lin=half * ((4 + masks) * b * s * h + 2 * kept_f * b * s * f / tp),

@@ -46,7 +46,8 @@ from dynapipe_ext.costs.model_spec import (
     ModelSpec,
 )
 from megatron.model.attention import AttentionMask, Segments
-from megatron.model.stages import OutputHead, layer_spec, run_stage_forward
+from megatron.model.stages import (OutputHead, RotaryPositions, layer_spec, norm,
+                                   run_stage_forward)
 
 
 # ------------------------------------------------------------------ layer modules
@@ -66,14 +67,18 @@ class ProfiledLayer(torch.nn.Module):
     def __init__(self, kind: str, spec: ModelSpec, config: TransformerConfig):
         super().__init__()
         self.kind, self.spec, self.config = kind, spec, config
+        # as StageModule builds them: a learned position table only for learned positions,
+        # rotary positions turned in every GPT layer, the final norm of --normalization
+        self.rotary = RotaryPositions(spec) if spec.rotary and kind == GPT_LAYER else None
         if kind in (EMBEDDING, DEC_EMBEDDING):
+            learned = spec.position_embedding_type == "learned_absolute"
             self.body = LanguageModelEmbedding(config, spec.vocab_size,
-                                               spec.max_position_embeddings)
+                                               spec.max_position_embeddings,
+                                               "learned_absolute" if learned else "none")
         elif kind in (GPT_LAYER, ENC_LAYER, DEC_LAYER):
             self.body = _one_layer_block(config, layer_spec(kind))
         elif kind == ENC_NORM:
-            self.body = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                                           dtype=config.params_dtype)
+            self.body = norm(config)
         elif kind == HEAD:
             self.body = OutputHead(config, spec.vocab_size)
         else:
@@ -93,7 +98,9 @@ class ProfiledLayer(torch.nn.Module):
         if kind == DEC_EMBEDDING:
             return inputs + (self.body(batch["dec_tokens"], batch["dec_position_ids"]),)
         if kind in (GPT_LAYER, ENC_LAYER):
-            return (self.body(inputs[0], AttentionMask.of(batch["segments"])),)
+            rotary = None if self.rotary is None else self.rotary(batch["position_ids"])
+            return (self.body(inputs[0], AttentionMask.of(batch["segments"]),
+                              rotary_pos_emb=rotary),)
         if kind == DEC_LAYER:
             enc, dec = inputs
             return (enc, self.body(dec, AttentionMask.of(batch["dec_segments"]), context=enc,
@@ -145,6 +152,8 @@ def make_inputs(kind: str, spec: ModelSpec, rows: int, seq_len: int, dec_seq_len
         return LayerInputs((), batch, ())
     if kind in (GPT_LAYER, ENC_LAYER):
         batch["segments"] = Segments.full(rows, seq_len, device)
+        if spec.rotary:
+            batch["position_ids"] = positions(seq_len)
         return LayerInputs((hidden(seq_len),), batch, (batch["segments"].ids,))
     if kind == ENC_NORM:
         return LayerInputs((hidden(seq_len),), batch, ())
