@@ -127,3 +127,27 @@ def test_packed_attention_modes_agree_with_rope(world):
             expected = torch.cat([stage((), alone)[i, :len(samples[i][0])] for i in range(3)])
             torch.testing.assert_close(stage((), packed)[0, :30], expected, rtol=1e-5,
                                        atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path)")
+def test_packed_stream_through_flex_attention_equals_samples_alone_on_cuda(world):
+    """On CUDA a packed stream's attention is one FlexAttention call: with rotary positions
+    each sample's losses equal those of the sample alone in a padded row."""
+    from megatron.model.batch_tensors import unsplit_micro_batch
+    rng = np.random.default_rng(2)
+    samples = {i: (rng.integers(1, 64, n), rng.integers(1, 64, n), np.ones(n, np.float32))
+               for i, n in enumerate((40, 77, 9))}
+    stage = build_rank_stages(LLAMA, (0,), 0, build_transformer_config(LLAMA),
+                              device="cuda")[0]
+    initialize_stage_weights({0: stage}, 3)
+    alone = build_micro_batch(unsplit_micro_batch([0, 1, 2], samples, "gpt"), samples, "gpt", 0)
+    packed = build_micro_batch(MicroBatch(rows=((0, 1, 2),), seq_len=128), samples, "gpt", 0)
+
+    def on_cuda(batch):
+        return {k: v.to("cuda") for k, v in batch.items()}
+    with torch.no_grad():
+        expected = torch.cat([stage((), on_cuda(alone))[i, :len(samples[i][0])]
+                              for i in range(3)])
+        got = stage((), on_cuda(packed))[0, :126]
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)   # TF32 and Flex kernels
