@@ -376,12 +376,18 @@ class AnalyticCostModel(CostModel):
         score = 0.0 if self.fused_attention else dt * a * b * s * s / tp
         qkv = 2 + 2 * self.spec.kv_share     # Q + projection, and K + V of the query groups
         pairs = s * (s + 1) / 2 if causal else s * s
-        # rotary positions: the cosines and sines that turned Q and K, [s, b, rotary dim]
-        # each, on every TP rank
-        rotary = 4.0 * dt * b * s * self.spec.rotary_dim
+        # rotary positions: the turned Q and K are new tensors, kept by the core attention
+        # beside the QKV output (V still a view of it), and the cosines and sines that turned
+        # them, [s, b, rotary dim] each, on every TP rank
+        # (grouped-query attention without them: megatron-core's Q of a group's heads is a
+        # copy, reshaped out of the interleaved QKV output, kept beside that output)
+        if self.spec.rotary:
+            copies = dt * b * s * ((1 + self.spec.kv_share) * p / tp + 4.0 * self.spec.rotary_dim)
+        else:
+            copies = dt * b * s * p / tp if self.spec.kv_share < 1 else 0.0
         return LayerTerms(lin=2 * b * s * qkv * h * p / tp, att=4 * b * pairs * p / tp,
                           kept_lin=half * ((4 + masks) * b * s * h + 2 * qkv * b * s * p / tp)
-                          + rotary,
+                          + copies,
                           kept_att=kept_att, transient=2 * score + np.zeros_like(b),
                           layer_in=dt * b * s * h)
 
@@ -394,8 +400,8 @@ class AnalyticCostModel(CostModel):
         # kept fc1 output and activation output (2f); gated: fc1 output (2f), activation of
         # the gate and the product (4f); the transient activation grows alike
         kept_f = 2 * m - 2
-        # per token; SwiGLU's SiLU is torch's own kernel
-        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu and not self.spec.swiglu else 0.0
+        # per token (SwiGLU's backward holds as many: the gate's and the up half's gradients)
+        gelu_temps = 2.0 * dt * f / tp if self.sigmoid_gelu else 0.0
         zero = np.zeros_like(b)
         return LayerTerms(lin=2 * b * s * m * h * f / tp, att=zero,
                           kept_lin=half * ((4 + masks) * b * s * h + 2 * kept_f * b * s * f / tp),
