@@ -96,16 +96,6 @@ class ShardedOptimizer(TrainOptimizer):
         self.grad_buffer.start_param_gather()
         return result
 
-    def finish_param_gather(self) -> None:
-        """Wait until every parameter holds its updated value (before a save or an
-        evaluation reads them all)."""
-        self.grad_buffer.wait_param_gather()
-
-    def state_bytes(self) -> int:
-        """Bytes of this rank's fp32 optimizer state: main copies (bf16 runs) and moments."""
-        elements = sum(piece.hi - piece.lo for piece in self.pieces)
-        return elements * 4 * (len(ADAM_MOMENTS) + (1 if self._half else 0))
-
     # ---- checkpoints: whole parameters, as TrainOptimizer saves them ----
     @torch.no_grad()
     def _gathered(self, values) -> torch.Tensor:
