@@ -114,7 +114,7 @@ and backward but not much the backward peak. The model counts the two [tokens, f
 temporaries the backward of the CPU fp32 GeLU holds (x * sigmoid(2z), megatron/model/stages.py;
 the cost model's `sigmoid_gelu`): without them its predictions were 0.81-0.93 of these
 measurements. The same comparison against
-`torch.cuda.max_memory_allocated` is in the GPU suite (tests/test_gpu.py), which has not run
+`torch.cuda.max_memory_allocated` is in the GPU suite (tests/integration/test_gpu.py), which has not run
 yet.
 """
 

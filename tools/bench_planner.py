@@ -447,7 +447,7 @@ def replica_markdown(rows: list[dict]) -> str:
 def packing_rows() -> list[dict]:
     """Pack counts of the histogram packers on Krell et al.'s public Wikipedia and SQuAD
     length histograms at depths 3 and 16 (the reference SPFHP's counts are pinned in
-    tests/test_packing.py). NNLSHP's system at depth 16 is too big to solve: packs None."""
+    tests/data/test_packing.py). NNLSHP's system at depth 16 is too big to solve: packs None."""
     from dynapipe_ext.batching.histograms import load_histogram, reference_histograms_path
     from dynapipe_ext.batching.packing import pack_histogram
     histograms = reference_histograms_path()

@@ -319,7 +319,7 @@ def markdown(results: dict, command: str) -> str:
     lines += ["", timing_markdown(results["plan_timing"]), ""]
     lines += ["Reading the tables. Textbook case: on even stages every schedule's simulated "
               "bubble share equals its analytic figure wherever the order is unconstrained "
-              "(tests/test_schedules.py checks this); Hanayo's order needs m >= 2P (at m = P "
+              "(tests/planning/test_schedules.py checks this); Hanayo's order needs m >= 2P (at m = P "
               "it runs all forwards first and keeps 1F1B's bubble). Without a cap, more stages "
               "per rank win (wave W=4 = 8 per rank first, then interleaved v=4), but the wave "
               "holds (4W-1)/(2W) model copies of activations at m = 2P and more beyond, "

@@ -7,7 +7,7 @@
 #      document mask, its best packer) against dynamic micro-batches as packed streams, the
 #      profiled cost model, 3 warm-up + 8 timed iterations; compiles inside the timed
 #      iterations are counted;
-#   2. the `gpu`-marked tests (tests/test_gpu.py, tests/test_attention.py);
+#   2. the `gpu`-marked tests (tests/integration/test_gpu.py, tests/model/test_attention.py);
 #   3. dynamic as padded rows (the paper's layout) for both models, which decides the GPU's
 #      --dynamic-layout default.
 # Each step gets what is left of the budget, at most its own limit; a step with under 30 s
@@ -85,12 +85,12 @@ gpu_tests() {
   say "gpu-marked tests (at most ${limit}s)"
   if [ "$dry" = 1 ]; then
     # no GPU here: collect them (catches import errors) and let them skip
-    "$py" -m pytest -q -m gpu tests/test_gpu.py tests/test_attention.py -p no:cacheprovider \
-      2>&1 | tail -3 | tee "$out/gpu_tests.log"
+    "$py" -m pytest -q -m gpu tests/integration/test_gpu.py tests/model/test_attention.py \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$out/gpu_tests.log"
   else
     set +e
-    timeout "$limit" "$py" -m pytest -q -s -m gpu tests/test_gpu.py tests/test_attention.py \
-      -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+    timeout "$limit" "$py" -m pytest -q -s -m gpu tests/integration/test_gpu.py \
+      tests/model/test_attention.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
     echo "[gpu_check] gpu tests exit status $?" | tee -a "$out/gpu_tests.log"
     set -e
     tail -5 "$out/gpu_tests.log"

@@ -211,7 +211,7 @@ class AnalyticCostModel(CostModel):
     GeLU runs as x * sigmoid(2z) (megatron/model/stages.py, fp32 on CPU): it saves only its
     input for backward, as torch's kernel does, but its backward holds two [tokens, ffn]
     temporaries more (sigmoid and du/dx beside the result; measured in
-    tests/test_memory_bench.py), counted in the transient bytes. Shapes longer than
+    tests/training/test_memory_bench.py), counted in the transient bytes. Shapes longer than
     `max_seq_len` / `max_dec_seq_len` are infeasible.
 
     Host floor: launching a layer's kernels costs the host `host_fwd_ms_per_layer` /

@@ -12,7 +12,7 @@ def packing_markdown(rows: list[dict]) -> str:
              "(`shared/benchmarks/length_histograms.json`, not shipped). `spfhp` is the reference algorithm (one new "
              "pack per sequence that fits nowhere); `spfhp-grouped` lets a new pack take "
              "several sequences of the length that opened it. The `spfhp` counts equal those of "
-             "the reference code's `pack_using_spfhp`, pinned in tests/test_packing.py. "
+             "the reference code's `pack_using_spfhp`, pinned in tests/data/test_packing.py. "
              "`nnlshp` at depth 16 has too many exact-fill strategies to solve (refused, -). "
              "Per-packer efficiency on the FLAN-like sample, GPT and T5, per batch and "
              "dataset-level: \"Packers: per batch and dataset-level\" below.", "",

@@ -258,7 +258,7 @@ def relative_bias(relative: RelativePositionEmbedding, n: int) -> PositionBias:
     table's gradient is a sum along diagonals instead of an embedding backward over n^2
     indices. Forward + backward on this project's CPU (4 heads, one thread): n = 256, 4.8 ms
     that way, 0.7 ms this way; n = 512, 17.2 vs 1.8 ms; once per stack per stage call, which no
-    cost model prices (tests/test_t5_relative_bias.py checks the values and the table's
+    cost model prices (tests/model/test_t5_relative_bias.py checks the values and the table's
     gradient)."""
     weight = relative.relative_attention_bias.weight
     positions = torch.arange(-(n - 1), n, device=weight.device)
