@@ -29,10 +29,10 @@ warnings.filterwarnings(
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from megatron.checkpoint.hf_convert import (ConversionError, fit_vocab, read_converted,  # noqa: E402
-                                       read_hf, read_source_config, training_flags,
+                                       read_hf, read_source_config,
                                        write_converted, write_hf)
 from megatron.checkpoint.hf_convert import check_hf_source  # noqa: E402
-from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group  # noqa: E402
+from megatron.training.arguments import VOCAB_MULTIPLE, add_flag_group, training_flags  # noqa: E402
 from megatron.checkpoint.checkpointing import CheckpointError, start_over  # noqa: E402
 from megatron.training.training import padded_vocab_size  # noqa: E402
 

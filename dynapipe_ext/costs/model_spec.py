@@ -259,6 +259,15 @@ def option_values(config) -> dict:
     return values
 
 
+def flag_values(spec: ModelSpec) -> dict:
+    """{training flag's field: value} that builds `spec` (option_values' inverse):
+    what a checkpoint of it records; the query groups as --num-query-groups holds them."""
+    values = {option_arg(f): (not getattr(spec, f.name)) if f.metadata["negate"]
+              else getattr(spec, f.name) for f in MODEL_OPTIONS}
+    values["num_query_groups"] = spec.query_groups
+    return values
+
+
 def flag_list(names) -> str:
     return ", ".join(option_flag(n) for n in names)
 

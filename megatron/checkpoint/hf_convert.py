@@ -30,7 +30,8 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
 
 A converted model is described by its ModelSpec (vocab_size: the checkpoint's vocabulary),
 written as model_args.json (spec_record) beside the checkpoint; its training flags
-(training_flags) and its checkpoint identity (flag_values) are derived from the same options.
+(megatron/training/arguments.py training_flags) and its checkpoint identity
+(model_spec.flag_values) are derived from the same options.
 
 Vocabulary padding: the training run pads the vocabulary (training.padded_vocab_size, a
 multiple of --make-vocab-size-divisible-by x TP); `fit_vocab` pads a full state's vocabulary
@@ -45,7 +46,7 @@ from typing import Mapping
 
 import torch
 
-from dynapipe_ext.costs.model_spec import MODEL_OPTIONS, ROPE_SCALING, ModelSpec, option_arg
+from dynapipe_ext.costs.model_spec import MODEL_OPTIONS, ROPE_SCALING, ModelSpec, flag_values
 from megatron.model.stages import TIED_EMBEDDING
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
@@ -661,41 +662,6 @@ def read_spec_record(path: str) -> ModelSpec:
         return ModelSpec(**record)
     except (UnicodeDecodeError, ValueError, TypeError) as err:
         raise ConversionError(f"{path}: not a model_args.json ({err})") from None
-
-
-def flag_values(spec: ModelSpec) -> dict:
-    """{training flag's field: value} that builds `spec` (model_spec.option_values' inverse):
-    what a checkpoint of it records; the query groups as --num-query-groups holds them."""
-    values = {option_arg(f): (not getattr(spec, f.name)) if f.metadata["negate"]
-              else getattr(spec, f.name) for f in MODEL_OPTIONS}
-    values["num_query_groups"] = spec.query_groups
-    return values
-
-
-def training_flags(spec: ModelSpec) -> str:
-    """The model flags of pretrain_*.py that build `spec`, from each option's flag: a switch
-    where it is on, a value where it is not the default (sizes always; T5's relative-position
-    fields whenever it uses them)."""
-    from megatron.training.arguments import FLAGS
-    switches = {f.name: f.negate for f in FLAGS if f.kwargs.get("action") == "store_true"}
-    values = flag_values(spec)
-    flags = []
-    for f in MODEL_OPTIONS:
-        name, value = f.metadata["flag"], values[option_arg(f)]
-        if not name.startswith("--"):
-            continue
-        if spec.model == "t5" and name == "--num-layers":
-            name = "--encoder-num-layers"
-        if f.name == "num_query_groups":
-            if value != spec.num_attention_heads:
-                flags.append(f"--group-query-attention {name} {value}")
-        elif name in switches:
-            if value != switches[name]:
-                flags.append(name)
-        elif f.metadata["shape"] and value or value != f.default \
-                or f.name.startswith("relative_") and spec.position_embedding_type == "relative":
-            flags.append(f"{name} {value}")
-    return " ".join(flags)
 
 
 def read_source_config(directory: str) -> dict | None:

@@ -21,8 +21,8 @@ from dynapipe_ext.batching.microbatch import DYNAMIC_LAYOUTS
 from dynapipe_ext.batching.planners import (ATTENTION_BACKENDS, PACKING_ALGORITHMS, STRATEGIES,
                                             PlannerConfig)
 from dynapipe_ext.costs.model_spec import (MODEL_OPTIONS, NORMALIZATIONS,
-                                            POSITION_EMBEDDING_TYPES, option_problems,
-                                            option_values)
+                                            POSITION_EMBEDDING_TYPES, ModelSpec, flag_values,
+                                            option_arg, option_problems, option_values)
 from dynapipe_ext.flextp.policy import balance_flags
 from dynapipe_ext.plan.iteration_planner import PIPELINE_SCHEDULES, REPLICA_SPLITS, stage_layout
 from dynapipe_ext.schedule.registry import SCHEDULES, layout_of
@@ -952,6 +952,31 @@ FLAGS: tuple[Flag, ...] = (
     declare(CHECKPOINT, "--debug", action="store_true",
             help="on a failure print the traceback, not just the one-line error"),
 )
+
+
+def training_flags(spec: ModelSpec) -> str:
+    """The model flags of pretrain_*.py that build `spec`, from each option's flag: a switch
+    where it is on, a value where it is not the default (sizes always; T5's relative-position
+    fields whenever it uses them)."""
+    switches = {f.name: f.negate for f in FLAGS if f.kwargs.get("action") == "store_true"}
+    values = flag_values(spec)
+    flags = []
+    for f in MODEL_OPTIONS:
+        name, value = f.metadata["flag"], values[option_arg(f)]
+        if not name.startswith("--"):
+            continue
+        if spec.model == "t5" and name == "--num-layers":
+            name = "--encoder-num-layers"
+        if f.name == "num_query_groups":
+            if value != spec.num_attention_heads:
+                flags.append(f"--group-query-attention {name} {value}")
+        elif name in switches:
+            if value != switches[name]:
+                flags.append(name)
+        elif f.metadata["shape"] and value or value != f.default \
+                or f.name.startswith("relative_") and spec.position_embedding_type == "relative":
+            flags.append(f"{name} {value}")
+    return " ".join(flags)
 
 
 def build_parser(model: str) -> argparse.ArgumentParser:
