@@ -603,13 +603,20 @@ def write_decoder(full: Mapping[str, torch.Tensor], spec: ModelSpec, directory: 
     from transformers import AutoModelForCausalLM
     config = decoder_config(spec, source)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = decoder_from_full_state(full, spec)
+    save_causal_lm(model, decoder_from_full_state(full, spec), spec, directory,
+                   config.architectures[0], model.model.embed_tokens)
+
+
+def save_causal_lm(model, state: Mapping[str, torch.Tensor], spec: ModelSpec, directory: str,
+                   name: str, embedding) -> None:
+    """Load `state` into a transformers causal LM, check that every weight was set and that
+    its head is tied exactly when the checkpoint's is, and save it to `directory`."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     untied = not spec.tied_embeddings
     if set(missing) - (set() if untied else {"lm_head.weight"}) or unexpected:
-        raise ConversionError(f"{directory}: {config.architectures[0]} export left {missing} "
-                              f"unset and {unexpected} unused")
-    if (model.lm_head.weight is model.model.embed_tokens.weight) == untied:
+        raise ConversionError(f"{directory}: {name} export left {missing} unset and "
+                              f"{unexpected} unused")
+    if (model.lm_head.weight is embedding.weight) == untied:
         raise ConversionError(f"{directory}: transformers built a head that is "
                               f"{'tied' if untied else 'untied'}, the checkpoint's is not")
     model.save_pretrained(directory)
@@ -738,15 +745,8 @@ def write_hf(full: Mapping[str, torch.Tensor], args: ModelSpec, directory: str,
         model.save_pretrained(directory)
         return
     model = GPT2LMHeadModel(gpt2_config(args, source))
-    untied = not args.tied_embeddings
-    missing, unexpected = model.load_state_dict(gpt2_from_full_state(full, args), strict=False)
-    if set(missing) - (set() if untied else {"lm_head.weight"}) or unexpected:
-        raise ConversionError(f"{directory}: GPT-2 export left {missing} unset and "
-                              f"{unexpected} unused")
-    if (model.lm_head.weight is model.transformer.wte.weight) == untied:
-        raise ConversionError(f"{directory}: transformers built a head that is "
-                              f"{'tied' if untied else 'untied'}, the checkpoint's is not")
-    model.save_pretrained(directory)
+    save_causal_lm(model, gpt2_from_full_state(full, args), args, directory, "GPT-2",
+                   model.transformer.wte)
 
 
 def write_converted(full: Mapping[str, torch.Tensor], args: ModelSpec, directory: str,
