@@ -18,6 +18,7 @@ from megatron.checkpoint.hf_convert import (ConversionError, decoder_spec, padde
                                             read_converted, read_hf, unpack_per_head,
                                             write_converted, write_hf)
 from tests.multiproc import run_in_processes, single_process_world
+from tests.integration.test_hf_convert import convert
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,14 +109,6 @@ def assert_logits_equal(ours, theirs, what):
         worst = float((a - b).abs().max())
         assert worst <= TOLERANCE * scale, \
             f"{what} sample {k}: max abs diff {worst:.3g}, logit scale {scale:.3g}"
-
-
-def convert(hf_dir, out_dir, *extra):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                           "--from-hf", str(hf_dir), "--to", str(out_dir), *extra],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def stage_logits(stages, batch):
