@@ -819,16 +819,25 @@ def stop_on_signal(run: TrainingRun, name: str, done: int, saved: bool) -> None:
 def evaluate_or_fail(run: TrainingRun, iterations_done: int):
     """Validation after `iterations_done` iterations (ValidationStats), or TrainingFailed."""
     run.optimizer.grad_buffer.wait_param_gather()     # --overlap-param-gather
-    try:
+    with failure_named(run, f"validation after iteration {iterations_done}"):
         if run.flextp is not None:     # the whole model, not the resized one
             with run.flextp.all_units():
                 return run.evaluator.evaluate(run, iterations_done)
         return run.evaluator.evaluate(run, iterations_done)
+
+
+@contextlib.contextmanager
+def failure_named(run: TrainingRun, what: str):
+    """Any error inside re-raised as TrainingFailed naming this rank's place in the layout and
+    `what` failed (e.g. a collective whose peer died: gloo says only 'Connection reset')."""
+    try:
+        yield
+    except TrainingFailed:
+        raise
     except Exception as err:
         raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
-                             f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): validation after "
-                             f"iteration {iterations_done} failed: {type(err).__name__}: "
-                             f"{err}") from err
+                             f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): {what} failed: "
+                             f"{type(err).__name__}: {err}") from err
 
 
 def train(run: TrainingRun) -> list[IterationStats]:
@@ -841,13 +850,8 @@ def train(run: TrainingRun) -> list[IterationStats]:
         with ExitSignals(cfg.exit_signal_handler) as signals:
             for iteration in range(run.start_iteration, cfg.train_iters):
                 profiler.before(iteration)
-                try:
+                with failure_named(run, f"iteration {iteration}"):
                     stats = train_step(run, iteration)
-                except Exception as err:
-                    raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
-                                         f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): "
-                                         f"iteration {iteration} failed: "
-                                         f"{type(err).__name__}: {err}") from err
                 profiler.after(iteration)
                 run.logger.log(stats)
                 done = iteration + 1
@@ -857,7 +861,8 @@ def train(run: TrainingRun) -> list[IterationStats]:
                                             (cfg.save_interval and done % cfg.save_interval == 0))
                 if saved:
                     save(run, done)
-                name = signals.agreed()
+                with failure_named(run, f"the exit-signal check after iteration {done}"):
+                    name = signals.agreed()      # a collective: a dead peer fails it
                 if name:
                     stop_on_signal(run, name, done, saved)
                     break

@@ -27,7 +27,13 @@ def _parameter_bytes_alive() -> int:
 
 
 def _train_two_steps(strategy, rank, world_size, cfg, model) -> dict:
-    """Two SGD steps under `strategy`'s plan next to the single-process reference."""
+    """Two SGD steps under `strategy`'s plan next to the single-process reference. After each
+    step the runtime's weights are compared with the reference's and then copied into it, so
+    that each step's gradients are compared from the same weights: otherwise one step's fp32
+    rounding (from summing the contrastive head's split batch in another order) reaches the
+    next step's gradients through the weights, and those of the contrastive head are about
+    1e-3 at the second step, sums of far larger terms (1.3e-5 of the tensor's largest without
+    the copy, 3.5e-6 with it)."""
     import torch
     from dynapipe_ext.spindle.checker import check_wave_plan
     from dynapipe_ext.spindle.scheduler import Cluster, component_devices, plan
@@ -46,7 +52,7 @@ def _train_two_steps(strategy, rank, world_size, cfg, model) -> dict:
     ref = build_components(cfg, SEED)
     opt = torch.optim.SGD(runtime.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    losses, worst, checked = [], 0.0, 0
+    losses, worst, worst_weight, checked = [], 0.0, 0.0, 0
     for it in range(2):
         data = task_data(cfg, SEED, it)
         opt.zero_grad(set_to_none=True)
@@ -63,15 +69,21 @@ def _train_two_steps(strategy, rank, world_size, cfg, model) -> dict:
                 checked += 1
         opt.step()
         ref_opt.step()
+        with torch.no_grad():     # the next step starts from the same weights (docstring)
+            for comp, module in runtime.modules.items():
+                for a, b in zip(module.parameters(), ref[comp].parameters()):
+                    scale = max(b.abs().max().item(), 1e-3)
+                    worst_weight = max(worst_weight, (a - b).abs().max().item() / scale)
+                    b.copy_(a)
     remote = sum(pc.src != pc.dst for pcs in runtime.pieces for pc in pcs)
     two_input = sum(pc.slot == 1 for pcs in runtime.pieces for pc in pcs)
     events = runtime.events
     reduced = [c for kind, c in events if kind == "reduce"]
     last_backward = max(i for i, (kind, _) in enumerate(events) if kind == "backward")
     early = [c for i, (kind, c) in enumerate(events) if kind == "reduce" and i < last_backward]
-    return dict(losses=losses, worst=worst, checked=checked, held=held, before=before,
-                built=sorted(runtime.modules), alive=alive, planned=planned, remote=remote,
-                two_input=two_input, reduced=reduced, early=early,
+    return dict(losses=losses, worst=worst, worst_weight=worst_weight, checked=checked,
+                held=held, before=before, built=sorted(runtime.modules), alive=alive,
+                planned=planned, remote=remote, two_input=two_input, reduced=reduced, early=early,
                 shared=sorted(c for c, devs in component_devices(p).items() if len(devs) > 1
                               and rank in devs))
 
@@ -99,6 +111,7 @@ def test_spindle_training_equals_single_process_reference_and_places_components(
             for loss, ref in r["losses"]:
                 assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), (strategy, rank)
             assert r["checked"] > 0 and r["worst"] < 1e-5, (strategy, rank, r["worst"])
+            assert r["worst_weight"] < 1e-6, (strategy, rank, r["worst_weight"])
             assert r["built"] == r["held"], (strategy, rank)
             assert r["before"] == 0 and r["alive"] == r["planned"] > 0, (strategy, rank)
             assert r["two_input"] > 0 or "clip_head" not in r["held"], (strategy, rank)
