@@ -31,6 +31,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="count bad lines and unreadable/empty files under their reason and "
                             "go on, instead of stopping at the first one")
     add_tokenizer_args(parser)
+    parser.add_argument("--chat-template", action="store_true",
+                        help="HuggingFaceTokenizer: each input a user turn and its target the "
+                             "assistant's reply, in the checkpoint's chat template "
+                             "(chat_template.jinja or tokenizer_config.json); the loss stays on "
+                             "the reply")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="path prefix of the dataset (P_tasks.json and the folder P.data-<id>/)")
@@ -58,7 +63,8 @@ def main(argv=None) -> int:
         summary = preprocess_flan(args.input, args.output_prefix, tokenizer_spec_from_args(args),
                                   workers=args.workers, skip_bad=args.skip_bad,
                                   task_field=args.task_field, chunk_size=args.chunk_size,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress,
+                                  chat_template=args.chat_template)
     except BadInputError as exc:
         print(f"error: {exc}" + ("" if args.skip_bad else
                                  "\n(use --skip-bad to count and skip bad lines)"),

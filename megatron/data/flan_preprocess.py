@@ -20,10 +20,11 @@ from megatron.data.flan_indexed import TABLE_FORMAT, FlanDatasetWriter, dataset_
 from megatron.data.flan_records import (EMPTY_SAMPLE, EMPTY_TARGET, SKIPPED_BY_DEFAULT,
                                         TOKENIZER_ERROR, BadInputError, FlanRecord,
                                         ReadCounts, Rejection, read_records)
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers import TokenizerError, build_tokenizer
 
 PERCENTILES = (50, 90, 99)
 _worker_tokenizer = None
+_worker_chat = False
 
 
 def _exit_when_orphaned(parent_pid: int, poll_s: float = 1.0) -> None:
@@ -34,35 +35,44 @@ def _exit_when_orphaned(parent_pid: int, poll_s: float = 1.0) -> None:
             os._exit(1)
 
 
-def _init_worker(tokenizer_spec: dict, parent_pid: Optional[int] = None) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_spec: dict, parent_pid: Optional[int] = None,
+                 chat: bool = False) -> None:
+    global _worker_tokenizer, _worker_chat
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     if parent_pid is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     _worker_tokenizer = build_tokenizer(**tokenizer_spec)
+    _worker_chat = chat
 
 
 def _tokenize_pairs(pairs: Sequence[tuple[str, str]]
                     ) -> list[Union[tuple[np.ndarray, np.ndarray], str]]:
     """(input ids, target ids) per pair, the input after the tokenizer's `input_prefix` (a
-    decoder model's bos), or the tokenizer's error text for a pair it fails on (the batch is
-    then encoded pair by pair to find which)."""
-    prefix = list(_worker_tokenizer.input_prefix)
+    decoder model's bos), or with the chat template the prompt and reply of
+    HuggingFaceTokenizer.chat_ids; the tokenizer's error text for a pair it fails on (a batch
+    is then encoded pair by pair to find which)."""
+    tok = _worker_tokenizer
+    prefix = list(tok.input_prefix)
 
     def ids(tokens, lead=()):
         return np.asarray([*lead, *tokens], dtype=np.int32)
 
-    try:
-        inputs = _worker_tokenizer.encode_batch([p[0] for p in pairs])
-        targets = _worker_tokenizer.encode_batch([p[1] for p in pairs])
-        return [(ids(i, prefix), ids(t)) for i, t in zip(inputs, targets)]
-    except Exception:   # noqa: BLE001 - any tokenizer failure is a per-record rejection
-        pass
+    def one(pair):
+        if _worker_chat:
+            return tuple(ids(part) for part in tok.chat_ids(*pair))
+        return ids(tok.encode(pair[0]), prefix), ids(tok.encode(pair[1]))
+
+    if not _worker_chat:
+        try:
+            inputs = tok.encode_batch([p[0] for p in pairs])
+            targets = tok.encode_batch([p[1] for p in pairs])
+            return [(ids(i, prefix), ids(t)) for i, t in zip(inputs, targets)]
+        except Exception:   # noqa: BLE001 - any tokenizer failure is a per-record rejection
+            pass
     out: list = []
     for pair in pairs:
         try:
-            out.append((ids(_worker_tokenizer.encode(pair[0]), prefix),
-                        ids(_worker_tokenizer.encode(pair[1]))))
+            out.append(one(pair))
         except Exception as exc:   # noqa: BLE001
             out.append(f"{type(exc).__name__}: {exc}")
     return out
@@ -87,19 +97,20 @@ def _chunks(records: Iterable[FlanRecord], size: int) -> Iterator[list[FlanRecor
 
 
 def tokenize_records(records: Iterable[FlanRecord], tokenizer_spec: dict, workers: int = 1,
-                     chunk_size: int = 256
+                     chunk_size: int = 256, chat: bool = False
                      ) -> Iterator[Union[tuple[FlanRecord, np.ndarray, np.ndarray], Rejection]]:
     """(record, input ids, target ids) in input order, or a Rejection (FILE:LINE) for a
     record the tokenizer fails on; workers > 1 tokenise in spawned processes with a bounded
-    number of chunks in flight."""
+    number of chunks in flight. `chat`: through the tokenizer's chat template."""
     if workers <= 1:
-        _init_worker(tokenizer_spec)
+        _init_worker(tokenizer_spec, chat=chat)
         for chunk in _chunks(records, chunk_size):
             yield from _with_records(chunk, _tokenize_pairs([(r.inputs, r.targets)
                                                              for r in chunk]))
         return
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                               initializer=_init_worker, initargs=(tokenizer_spec, os.getpid()))
+                               initializer=_init_worker,
+                               initargs=(tokenizer_spec, os.getpid(), chat))
     in_flight: deque = deque()
     try:
         def drain_one():
@@ -216,12 +227,20 @@ def format_summary(summary: dict, max_tasks: int = 20) -> str:
 
 def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: dict,
                     workers: int = 1, skip_bad: bool = False, task_field: Optional[str] = None,
-                    chunk_size: int = 256, progress: bool = True) -> dict:
+                    chunk_size: int = 256, progress: bool = True,
+                    chat_template: bool = False) -> dict:
     """Tokenise FLAN dump files into the dataset at `output_prefix`; returns the summary.
-    Raises BadInputError (file, line, reason) on bad input unless skip_bad."""
+    Raises BadInputError (file, line, reason) on bad input unless skip_bad. `chat_template`:
+    each input becomes a user turn and its target the assistant's reply, rendered by the
+    HuggingFaceTokenizer's chat template (the loss stays on the target: the reply)."""
     from tqdm import tqdm
 
     tokenizer = build_tokenizer(**tokenizer_spec)
+    if chat_template:
+        if not hasattr(tokenizer, "chat_template"):
+            raise TokenizerError(f"--chat-template needs --tokenizer-type HuggingFaceTokenizer "
+                                 f"(a checkpoint's tokenizer), not {tokenizer.name}")
+        tokenizer.chat_template()         # none: one error now, not one per sample
     counts = ReadCounts()
     registry = _TaskRegistry()
     in_lens, tgt_lens, tids = array("i"), array("i"), array("i")
@@ -232,7 +251,7 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
             raise rejection.error()
         counts.reject(rejection.reason, f"{rejection.path}:{rejection.line}")
 
-    tokenized = tokenize_records(records, tokenizer_spec, workers, chunk_size)
+    tokenized = tokenize_records(records, tokenizer_spec, workers, chunk_size, chat_template)
     with FlanDatasetWriter(output_prefix, tokenizer.vocab_size) as writer, closing(tokenized):
         bar = tqdm(unit=" samples", disable=not progress, file=sys.stderr, mininterval=0.5,
                    desc="tokenising")
@@ -243,9 +262,9 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
                 continue
             rec, in_ids, tgt_ids = item
             if tgt_ids.size == 0:   # an input of no tokens is fine (the view adds what it needs)
-                reject(Rejection(rec.path, rec.line,
-                                 EMPTY_SAMPLE if in_ids.size == len(tokenizer.input_prefix)
-                                 else EMPTY_TARGET,
+                empty_input = (not rec.inputs if chat_template
+                               else in_ids.size == len(tokenizer.input_prefix))
+                reject(Rejection(rec.path, rec.line, EMPTY_SAMPLE if empty_input else EMPTY_TARGET,
                                  "it tokenises to no tokens"))
                 continue
             tid = registry.add(rec)
@@ -270,7 +289,7 @@ def preprocess_flan(paths: Sequence[str], output_prefix: str, tokenizer_spec: di
         summary["tokenizer"] = tokenizer_info = tokenizer.describe()
         table = {"format": TABLE_FORMAT, "tokenizer": tokenizer_info,
                  "vocab_size": tokenizer.vocab_size, "num_samples": len(writer),
-                 "tokens": summary["tokens"],
+                 "tokens": summary["tokens"], "chat_template": chat_template,
                  "tasks": registry.table(np.bincount(task_ids, minlength=len(registry.ids)))}
         writer.finalize(table, summary)
     summary["files_written"] = dataset_files(output_prefix)

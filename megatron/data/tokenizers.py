@@ -8,11 +8,13 @@ where the tokenizer's config asks for it); the GPT view appends `eod` after the 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import re
+import time
 from typing import Optional, Sequence
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "T5SentencePieceTokenizer",
@@ -26,6 +28,7 @@ GPT2_EOD_TEXT = "<|endoftext|>"
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"   # older checkpoints name bos / eos here
+HF_CHAT_TEMPLATE_FILE = "chat_template.jinja"      # where newer checkpoints keep the template
 
 
 class TokenizerError(ValueError):
@@ -261,6 +264,7 @@ class HuggingFaceTokenizer(TokenizersLibraryTokenizer):
         except Exception as exc:   # noqa: BLE001 - the tokenizers library raises plain Exception
             raise TokenizerError(f"{json_file}: not a tokenizers tokenizer.json ({exc})") from exc
         config = {**_read_json(map_file, {}), **_read_json(config_file)}
+        self._config = config
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos = self._special_id(config, "eos_token", config_file)
         if self.eos is None:
@@ -299,12 +303,91 @@ class HuggingFaceTokenizer(TokenizersLibraryTokenizer):
                 return tuple(full[:start])
         return ()
 
+    def chat_template(self) -> tuple[str, str]:
+        """(the checkpoint's chat template, the file it is in): DIR/chat_template.jinja, else
+        tokenizer_config.json's `chat_template` (a string, or a list of named templates of
+        which 'default' is taken), where transformers looks; TokenizerError if neither has one."""
+        jinja_file = os.path.join(self.directory, HF_CHAT_TEMPLATE_FILE)
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read(), jinja_file
+        where = os.path.join(self.directory, HF_TOKENIZER_CONFIG)
+        template = self._config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str) or not template:
+            raise TokenizerError(f"--tokenizer-model {self.directory}: no chat template (neither "
+                                 f"{HF_CHAT_TEMPLATE_FILE} nor a 'chat_template' in {where})")
+        return template, where
+
+    def chat_ids(self, user: str, reply: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, reply ids) of one user turn answered by `reply` under the chat template:
+        the prompt is the user turn rendered with the generation prompt (what the model sees at
+        inference), the reply the rest of the rendered two-turn conversation, each tokenised
+        with no special tokens added (the template writes them, as transformers'
+        apply_chat_template does). The reply stops before its last eos: the data path appends
+        eod (= eos) after a target, so a sample is the conversation's tokens up to and with the
+        reply's end. Tokenising the two apart gives the conversation's tokens wherever the
+        template ends the prompt with a newline or special token (Llama 3, Qwen, Mistral do)."""
+        template, where = self.chat_template()
+        special = {key: _token_text(self._config.get(key)) for key in
+                   ("bos_token", "eos_token", "pad_token", "unk_token")}
+        turn = [{"role": "user", "content": user}]
+        prompt = render_chat_template(template, turn, True, where, **special)
+        full = render_chat_template(template, turn + [{"role": "assistant", "content": reply}],
+                                    False, where, **special)
+        if not full.startswith(prompt):
+            raise TokenizerError(f"{where}: the chat template renders a conversation that does "
+                                 f"not begin with its own generation prompt {prompt[-40:]!r}")
+        reply_ids = self.encode(full[len(prompt):])
+        if self.eos in reply_ids:
+            reply_ids = reply_ids[:len(reply_ids) - 1 - reply_ids[::-1].index(self.eos)]
+        return self.encode(prompt), reply_ids
+
     def describe(self) -> dict:
         return {"type": self.name, "vocab_size": self.vocab_size, "eod": self.eod,
                 "pad": self.pad, "bos": self.bos, "eos": self.eos, "unk": self.unk,
                 "input_prefix": list(self.input_prefix),
                 "tokenizer_model": os.path.abspath(self.directory),
                 "fingerprint": tokenizer_fingerprint(self)}
+
+
+def _token_text(value) -> Optional[str]:
+    """A special token of tokenizer_config.json as text (it may be an AddedToken dict)."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_chat_template(template: str):
+    """The template compiled in jinja2's immutable sandbox (a chat template comes with a
+    checkpoint, so it is untrusted), with transformers' block settings and helpers."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TokenizerError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False,
+                                                                      indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool,
+                         where: str, **special_tokens) -> str:
+    """`messages` rendered by a Hugging Face chat template (jinja2, as transformers renders
+    it: `messages`, `add_generation_prompt` and the special tokens' texts); TokenizerError
+    naming `where` for a template that does not compile or render."""
+    import jinja2
+    try:
+        return _compiled_chat_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            documents=None, **special_tokens)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"{where}: chat template: {type(exc).__name__}: {exc}") from exc
 
 
 def _read_json(path: str, missing=None) -> dict:

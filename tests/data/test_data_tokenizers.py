@@ -312,3 +312,83 @@ def test_hf_dataset_inputs_start_with_bos_and_another_tokenizer_is_refused(hf_to
     assert len(open_with(str(tmp_path / "same")).dataset) == 30
     with pytest.raises(RunSetupError, match="tokenised with HuggingFaceTokenizer"):
         open_with(without_post_processor(hf_copy(hf_tokenizer_dir, tmp_path / "other")))
+
+
+# A Qwen-style chat template over the fixture's special tokens: each turn 'role:\n' + content,
+# the reply closed by eos, every turn followed by a newline (text after the reply's eos).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ':\\n' + m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:\\n' }}{% endif %}")
+
+
+def chat_ids_of_transformers(directory, user, reply):
+    """(prompt ids, conversation ids) as transformers' apply_chat_template gives them."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+
+    def ids(messages, generation_prompt):
+        out = theirs.apply_chat_template(messages, tokenize=True,
+                                         add_generation_prompt=generation_prompt)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    turn = [{"role": "user", "content": user}]
+    return ids(turn, True), ids(turn + [{"role": "assistant", "content": reply}], False)
+
+
+def test_chat_template_samples_are_transformers_conversations(hf_tokenizer_dir, tmp_path):
+    """A sample under the chat template is the prompt transformers renders for inference, then
+    the reply up to and with its eos (the data path's eod), token for token, from the
+    template in tokenizer_config.json or in chat_template.jinja; a template reaching outside
+    the sandbox, and a directory with no template, are TokenizerErrors."""
+    in_config = hf_copy(hf_tokenizer_dir, tmp_path / "config", chat_template=CHAT_TEMPLATE)
+    in_file = hf_copy(hf_tokenizer_dir, tmp_path / "file")
+    with open(os.path.join(in_file, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    for directory in (in_config, in_file):
+        ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=directory)
+        for user, reply in [("Translate to French: the cat sat.", "le chat"),
+                            ("héllo\nwörld 😀", "  two  spaces"), ("", "yes")]:
+            prompt, conversation = chat_ids_of_transformers(directory, user, reply)
+            ids = ours.chat_ids(user, reply)
+            end = len(conversation) - 1 - conversation[::-1].index(ours.eos)
+            assert ids[0] == prompt and prompt[0] == ours.bos
+            assert ids[0] + ids[1] + [ours.eod] == conversation[:end + 1]
+            assert ours.decode(ids[1]) == reply
+    escape = hf_copy(hf_tokenizer_dir, tmp_path / "escape",
+                     chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TokenizerError, match="escape/tokenizer_config.json: chat template"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=escape).chat_ids("a", "b")
+    with pytest.raises(TokenizerError, match="no chat template"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_tokenizer_dir).chat_template()
+
+
+def test_preprocess_with_the_chat_template_trains_on_the_reply(hf_tokenizer_dir, sp_model,
+                                                               tmp_path):
+    """tools/preprocess_flan.py --chat-template: inputs are the rendered prompts, targets the
+    replies; the GPT view's loss covers the reply and its eos only; the manifest says so.
+    Without a template, or with another tokenizer type, one error line and status 2."""
+    from megatron.data.multitask_dataset import MultiTaskDataset
+    from tools.preprocess_flan import main
+
+    directory = hf_copy(hf_tokenizer_dir, tmp_path / "chat", chat_template=CHAT_TEMPLATE)
+    dump = tmp_path / "d.jsonl"
+    rows = list(synthetic_samples(12, seed=3))
+    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
+                                        "task": s["task"]}) + "\n" for s in rows))
+    prefix = str(tmp_path / "flan")
+    flags = ["--input", str(dump), "--output-prefix", prefix, "--no-progress",
+             "--tokenizer-type", "HuggingFaceTokenizer"]
+    assert main(flags + ["--tokenizer-model", directory, "--chat-template"]) == 0
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=directory)
+    data = MultiTaskDataset(prefix)
+    assert data.table["chat_template"] is True
+    for i, row in enumerate(rows):
+        prompt, reply = tok.chat_ids(row["inputs"], row["targets"])
+        assert data.input_ids(i).tolist() == prompt and data.target_ids(i).tolist() == reply
+        sample = data.gpt_sample(i, seq_length=4096)
+        trained = [int(t) for t, m in zip(sample.labels, sample.loss_mask) if m]
+        assert trained == reply + [tok.eos]
+    assert main(flags + ["--tokenizer-model", hf_tokenizer_dir, "--chat-template",
+                         "--output-prefix", str(tmp_path / "none")]) == 2
+    assert main(["--input", str(dump), "--output-prefix", str(tmp_path / "sp"), "--no-progress",
+                 "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+                 "--chat-template"]) == 2
