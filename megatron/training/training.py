@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -826,18 +827,25 @@ def evaluate_or_fail(run: TrainingRun, iterations_done: int):
         return run.evaluator.evaluate(run, iterations_done)
 
 
+# how gloo and NCCL report a collective whose peer process has ended
+PEER_ENDED = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited")
+
+
 @contextlib.contextmanager
 def failure_named(run: TrainingRun, what: str):
     """Any error inside re-raised as TrainingFailed naming this rank's place in the layout and
-    `what` failed (e.g. a collective whose peer died: gloo says only 'Connection reset')."""
+    `what` failed; where a peer process ended (PEER_ENDED), the message says so first, since
+    the cause is in that rank's own error line, not here."""
     try:
         yield
     except TrainingFailed:
         raise
     except Exception as err:
+        cause = ("another rank's process ended (its own error line says why): "
+                 if PEER_ENDED.search(str(err)) else "")
         raise TrainingFailed(f"rank {run.layout.rank} (tp {run.layout.tp_rank}, pp "
                              f"{run.layout.pp_rank}, dp {run.layout.dp_rank}): {what} failed: "
-                             f"{type(err).__name__}: {err}") from err
+                             f"{cause}{type(err).__name__}: {err}") from err
 
 
 def train(run: TrainingRun) -> list[IterationStats]:

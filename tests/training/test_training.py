@@ -439,6 +439,7 @@ def test_a_dead_rank_makes_the_other_exit_with_an_error(sp_dataset, tmp_path):
     text = (tmp_path / "rank0.out").read_text()
     assert code != 0
     assert "TrainingFailed: rank 0" in text and "failed" in text, text[-3000:]
+    assert "another rank's process ended (its own error line says why)" in text, text[-3000:]
     assert took < 0.5 * 60 + 30
 
 
