@@ -26,7 +26,8 @@ renames and reshapes of tensors, both ways, plus the model shape a state needs (
   same way; what a family fixes is DECODER_OPTIONS. HF's separate q, k, v (weights and biases)
   are packed per query group into linear_qkv ([q heads of group g, k_g, v_g]); gate_proj and
   up_proj are the two halves of linear_fc1. A sliding window shorter than the sequence is
-  refused (attention here sees every earlier position of a sample).
+  refused (attention here sees every earlier position of a sample), at import and by a run
+  that loads the import (imported_window_problem).
 
 A converted model is described by its ModelSpec (vocab_size: the checkpoint's vocabulary),
 written as model_args.json (spec_record) beside the checkpoint; its training flags
@@ -432,13 +433,26 @@ def _hf_value(config: Mapping, key: str):
     return value
 
 
-def sliding_window(config) -> int | None:
-    """The attention window of a Mistral / Qwen2 config, None where every layer attends to all
-    earlier positions."""
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+def sliding_window(fields: Mapping) -> int | None:
+    """The attention window of a Mistral / Qwen2 config's fields (config.json as a dict), None
+    where every layer attends to all earlier positions."""
+    if fields.get("model_type") == "qwen2" and not fields.get("use_sliding_window", False):
         return None
-    return window
+    return fields.get("sliding_window")
+
+
+def imported_window_problem(directory: str, seq_length: int) -> str | None:
+    """Why a run of `seq_length` tokens must not train the import in `directory` (None if it
+    may): the layers here attend to every earlier position, which equals a sliding window's
+    attention only on sequences within the window (its hf_config.json says how long)."""
+    source = read_source_config(directory)
+    window = sliding_window(source) if source is not None else None
+    if window is None or seq_length <= window:
+        return None
+    return (f"{directory} was imported from a model whose attention reaches back "
+            f"{window} tokens (sliding_window in {SOURCE_CONFIG_FILE}); full attention over "
+            f"--seq-length {seq_length} would compute another function: train with "
+            f"--seq-length {window} or less")
 
 
 def decoder_spec(config, seq_length: int | None = None) -> ModelSpec:
@@ -461,7 +475,7 @@ def decoder_spec(config, seq_length: int | None = None) -> ModelSpec:
     if kind not in (DEFAULT_ROPE, LLAMA3_ROPE):
         problems.append(f"rope_scaling of rope_type {kind!r} (only Llama 3.1's "
                         f"{LLAMA3_ROPE!r} is supported)")
-    window = sliding_window(config)
+    window = sliding_window(fields)
     longest = seq_length or config.max_position_embeddings
     if window is not None and window < longest:
         problems.append(f"sliding_window {window} is shorter than "

@@ -503,6 +503,20 @@ class TrainingRun:
             checkpointing.release_save_lock(self.cfg.save)
 
 
+def check_imported_window(cfg: TrainConfig) -> None:
+    """RunSetupError where --load names a Hugging Face import with a sliding window shorter
+    than --seq-length (hf_convert.imported_window_problem)."""
+    if not cfg.load:
+        return
+    from megatron.checkpoint.hf_convert import ConversionError, imported_window_problem
+    try:
+        problem = imported_window_problem(cfg.load, cfg.seq_length)
+    except ConversionError as err:
+        raise RunSetupError(str(err)) from err
+    if problem:
+        raise RunSetupError(f"--load {problem}")
+
+
 def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) -> TrainingRun:
     """Everything a run needs, in the order in which things can go wrong.
     `make_planner_config(cfg, spec, dp, comm=, auto_layout=)` replaces `planner_config` (the
@@ -512,6 +526,7 @@ def build_run(cfg: TrainConfig, make_planner_config=None, verbose: bool = True) 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_device_precision(cfg, use_cuda())
     check_save_dir(cfg)
+    check_imported_window(cfg)
     data = open_training_data(cfg, rank)
     check_data_identity(cfg, data.identity)
     valid = open_training_data(cfg, rank, "valid") if cfg.eval_interval else None

@@ -263,6 +263,20 @@ def test_mistral_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
     assert "sliding_window 16 is shorter than --seq-length 24" in unsupported(
         config, tmp_path / "again", "--seq-length", "24")
     convert(tmp_path / "hf", tmp_path / "fits", "--seq-length", "16")
+    # a run loading the import is held to the window as well
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import RunSetupError, check_imported_window
+
+    def run_flags(seq_length):
+        return parse_args("gpt", ["--num-layers", "1", "--hidden-size", "40",
+                                  "--num-attention-heads", "4", "--train-iters", "1",
+                                  "--data-path", str(tmp_path / "unread"),
+                                  "--load", str(tmp_path / "fits"), "--finetune",
+                                  "--seq-length", str(seq_length)], has_cuda=False)
+    check_imported_window(run_flags(16))
+    with pytest.raises(RunSetupError, match=r"reaches back 16 tokens .*--seq-length 24 would "
+                                            r"compute another function"):
+        check_imported_window(run_flags(24))
 
 
 def test_variants_the_layers_do_not_compute_are_named(tmp_path):
