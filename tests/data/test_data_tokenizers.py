@@ -13,6 +13,13 @@ from megatron.data.tokenizers import (NUM_SENTINELS, SENTINEL_FORMAT, TokenizerE
 from megatron.data.flan_synthetic import synthetic_samples
 
 
+def write_dump(path, samples):
+    """A FLAN-style .jsonl dump of `samples` (inputs, targets, task) at `path`."""
+    path.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
+                                        "task": s["task"]}) + "\n" for s in samples))
+    return path
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return build_tokenizer("GPT2BPETokenizer")
@@ -148,10 +155,7 @@ def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
     from megatron.training.arguments import parse_args
     from megatron.training.training import RunSetupError, open_training_data
 
-    dump = tmp_path / "d.jsonl"
-    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
-                                        "task": s["task"]}) + "\n"
-                            for s in synthetic_samples(40, seed=9)))
+    dump = write_dump(tmp_path / "d.jsonl", synthetic_samples(40, seed=9))
     prefix = str(tmp_path / "flan")
     spec = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp_model}
     preprocess_flan([str(dump)], prefix, spec, progress=False)
@@ -286,10 +290,8 @@ def test_hf_dataset_inputs_start_with_bos_and_another_tokenizer_is_refused(hf_to
     from megatron.training.arguments import parse_args
     from megatron.training.training import RunSetupError, open_training_data
 
-    dump = tmp_path / "d.jsonl"
     rows = list(synthetic_samples(30, seed=11))
-    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
-                                        "task": s["task"]}) + "\n" for s in rows))
+    dump = write_dump(tmp_path / "d.jsonl", rows)
     prefix = str(tmp_path / "flan")
     spec = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_tokenizer_dir}
     preprocess_flan([str(dump)], prefix, spec, progress=False)
@@ -370,10 +372,8 @@ def test_preprocess_with_the_chat_template_trains_on_the_reply(hf_tokenizer_dir,
     from tools.preprocess_flan import main
 
     directory = hf_copy(hf_tokenizer_dir, tmp_path / "chat", chat_template=CHAT_TEMPLATE)
-    dump = tmp_path / "d.jsonl"
     rows = list(synthetic_samples(12, seed=3))
-    dump.write_text("".join(json.dumps({"inputs": s["inputs"], "targets": s["targets"],
-                                        "task": s["task"]}) + "\n" for s in rows))
+    dump = write_dump(tmp_path / "d.jsonl", rows)
     prefix = str(tmp_path / "flan")
     flags = ["--input", str(dump), "--output-prefix", prefix, "--no-progress",
              "--tokenizer-type", "HuggingFaceTokenizer"]
