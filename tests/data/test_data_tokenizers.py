@@ -20,6 +20,17 @@ def write_dump(path, samples):
     return path
 
 
+def open_for_training(prefix, tokenizer_type, tokenizer_model):
+    """The dataset at `prefix` as a small GPT run with this tokenizer opens it (its checks)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import open_training_data
+    cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
+                             "--num-attention-heads", "2", "--train-iters", "1",
+                             "--data-path", prefix, "--tokenizer-type", tokenizer_type,
+                             "--tokenizer-model", tokenizer_model], has_cuda=False)
+    return open_training_data(cfg, rank=0)
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return build_tokenizer("GPT2BPETokenizer")
@@ -152,8 +163,7 @@ def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
     """Done-when: preprocess with SentencePiece model A, train with model B of the same
     vocabulary size -> refused, naming both."""
     from megatron.data.flan_preprocess import preprocess_flan
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import RunSetupError, open_training_data
+    from megatron.training.training import RunSetupError
 
     dump = write_dump(tmp_path / "d.jsonl", synthetic_samples(40, seed=9))
     prefix = str(tmp_path / "flan")
@@ -161,12 +171,7 @@ def test_training_refuses_a_dataset_of_another_model_of_the_same_size(sp_model,
     preprocess_flan([str(dump)], prefix, spec, progress=False)
 
     def open_with(model):
-        cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
-                                 "--num-attention-heads", "2", "--train-iters", "1",
-                                 "--data-path", prefix, "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model", model],
-                         has_cuda=False)
-        return open_training_data(cfg, rank=0)
+        return open_for_training(prefix, "SentencePieceTokenizer", model)
 
     fp_a = tokenizer_fingerprint(build_tokenizer(**spec))[:12]
     fp_b = tokenizer_fingerprint(build_tokenizer("SentencePieceTokenizer",
@@ -287,8 +292,7 @@ def test_hf_dataset_inputs_start_with_bos_and_another_tokenizer_is_refused(hf_to
     by fingerprint, a copy of the same directory is not."""
     from megatron.data.flan_preprocess import preprocess_flan
     from megatron.data.multitask_dataset import MultiTaskDataset
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import RunSetupError, open_training_data
+    from megatron.training.training import RunSetupError
 
     rows = list(synthetic_samples(30, seed=11))
     dump = write_dump(tmp_path / "d.jsonl", rows)
@@ -303,12 +307,7 @@ def test_hf_dataset_inputs_start_with_bos_and_another_tokenizer_is_refused(hf_to
     assert sample.tokens[0] == tok.bos and sample.labels[-1] == tok.eos
 
     def open_with(directory):
-        cfg = parse_args("gpt", ["--num-layers", "2", "--hidden-size", "32",
-                                 "--num-attention-heads", "2", "--train-iters", "1",
-                                 "--data-path", prefix, "--tokenizer-type",
-                                 "HuggingFaceTokenizer", "--tokenizer-model", directory],
-                         has_cuda=False)
-        return open_training_data(cfg, rank=0)
+        return open_for_training(prefix, "HuggingFaceTokenizer", directory)
 
     shutil.copytree(hf_tokenizer_dir, tmp_path / "same")
     assert len(open_with(str(tmp_path / "same")).dataset) == 30
